@@ -1,0 +1,156 @@
+"""DualFlow model configuration."""
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+
+QK_NORM_KINDS = (None, "per_head", "full")
+
+
+@strict
+class DualFlowConfig(PreTrainedConfig):
+    r"""
+    Configuration of a Dual-Flow causal LM: a standard decoder (dense or MoE, Llama / Mistral / Qwen / Mixtral /
+    OLMoE style) whose primary flow processes the prompt and owns the KV cache, plus an auxiliary flow that runs only
+    where a next-token prediction is needed.
+
+    Field names follow transformers' own configs. Family-specific switches:
+        qkv_bias (`bool`, *optional*): bias on q/k/v projections; `None` follows `attention_bias`, which also sets the
+            o_proj bias (Qwen2 style models: `qkv_bias=True, attention_bias=False`).
+        qk_norm (`str`, *optional*): `"per_head"` (Qwen3: RMSNorm over head_dim), `"full"` (OLMoE: RMSNorm over the
+            whole q / k projection) or `None`.
+        clip_qkv (`float`, *optional*): clamp q/k/v to [-clip_qkv, clip_qkv] (OLMoE).
+        num_experts (`int`): 0 builds dense MLPs and ignores every top-k field.
+        shared_expert_intermediate_size (`int`): > 0 adds a Qwen2-MoE shared expert with a sigmoid gate.
+    Dual-Flow fields:
+        aux_num_experts_per_tok (`int`, *optional*): expert top-k of the auxiliary flow (k_a); defaults to
+            `num_experts_per_tok` (k_p).
+        primary_loss_weight (`float`): training loss = CE(aux) + primary_loss_weight * CE(primary).
+        use_aux_flow (`bool`): default for the `use_aux_flow` forward/generate argument.
+    """
+
+    model_type = "dualflow"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    default_theta = 10000.0
+
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "layers.*.mlp.experts.down_proj": "rowwise",
+        "layers.*.mlp.experts": "moe_tp_experts",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    qkv_bias: bool | None = None
+    qk_norm: str | None = None
+    clip_qkv: float | None = None
+    attention_dropout: float | int = 0.0
+    sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] | None = None
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    aux_num_experts_per_tok: int | None = None
+    primary_loss_weight: float = 1.0
+    use_aux_flow: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}) when head_dim is not given"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.qkv_bias is None:
+            self.qkv_bias = self.attention_bias
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        if self.mlp_only_layers is None:
+            self.mlp_only_layers = []
+        if self.aux_num_experts_per_tok is None:
+            self.aux_num_experts_per_tok = self.num_experts_per_tok
+        # Checked here rather than in a `validate_*` hook: @strict wraps those errors in a non-ValueError type.
+        self._check_fields()
+        super().__post_init__(**kwargs)
+
+    def _check_fields(self):
+        """Raise a ValueError naming the first inconsistent field."""
+        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.qk_norm not in QK_NORM_KINDS:
+            raise ValueError(f"qk_norm must be one of {QK_NORM_KINDS}, got {self.qk_norm!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+        if self.primary_loss_weight < 0:
+            raise ValueError(f"primary_loss_weight must be >= 0, got {self.primary_loss_weight}")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}")
+        if self.num_experts == 0:
+            return
+        for name in ("num_experts_per_tok", "aux_num_experts_per_tok"):
+            value = getattr(self, name)
+            if not 1 <= value <= self.num_experts:
+                raise ValueError(f"{name} must be in [1, num_experts={self.num_experts}], got {value}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if bad_layers:
+            raise ValueError(f"mlp_only_layers holds layer indices outside [0, {self.num_hidden_layers}): {bad_layers}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}"
+            )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+
+__all__ = ["DualFlowConfig"]

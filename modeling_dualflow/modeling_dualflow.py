@@ -1,0 +1,654 @@
+"""PyTorch Dual-Flow causal LM (arXiv 2608.12385, design in DESIGN.md).
+
+Every layer works on one stacked tensor `(batch, T + P, hidden)`: rows `[:T]` are the primary flow (all input
+positions), rows `[T:]` are the auxiliary flow at the `P` positions whose next token is predicted. Shared weights see
+both flows in one call (grouped execution); only the primary rows produce keys/values and enter the cache.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .cache_dualflow import DualFlowCache
+from .configuration_dualflow import DualFlowConfig
+
+
+class DualFlowRMSNorm(LlamaRMSNorm):
+    pass
+
+
+class DualFlowRotaryEmbedding(LlamaRotaryEmbedding):
+    pass
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, rows, head_dim); cos/sin: (batch, rows, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DualFlowAttention(nn.Module):
+    """Self-attention whose queries are [primary rows; aux rows] and whose keys/values come from primary rows only."""
+
+    def __init__(self, config: DualFlowConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.sliding_window = config.sliding_window
+        q_dim = config.num_attention_heads * self.head_dim
+        kv_dim = config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        # Qwen3 normalises each head, OLMoE the whole projection.
+        if config.qk_norm == "per_head":
+            self.q_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        elif config.qk_norm == "full":
+            self.q_norm = DualFlowRMSNorm(q_dim, eps=config.rms_norm_eps)
+            self.k_norm = DualFlowRMSNorm(kv_dim, eps=config.rms_norm_eps)
+
+    def _project(self, hidden_states, proj, norm):
+        states = proj(hidden_states)
+        if self.config.qk_norm == "full" and norm is not None:
+            states = norm(states)
+        if self.config.clip_qkv is not None:
+            states = states.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
+        states = states.view(*hidden_states.shape[:-1], -1, self.head_dim)
+        if self.config.qk_norm == "per_head" and norm is not None:
+            states = norm(states)
+        return states.transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        num_primary: int,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        is_causal: bool | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # hidden_states: (batch, T + P, hidden), already normed
+        q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
+        primary = hidden_states[:, :num_primary]
+        query_states = self._project(hidden_states, self.q_proj, q_norm)
+        key_states = self._project(primary, self.k_proj, k_norm)
+        value_states = self._project(primary, self.v_proj, None)
+
+        cos, sin = position_embeddings
+        query_states = apply_rotary(query_states, cos, sin)
+        key_states = apply_rotary(key_states, cos[:, :num_primary], sin[:, :num_primary])
+
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            is_causal=is_causal,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+class DualFlowMLP(nn.Module):
+    def __init__(self, config: DualFlowConfig, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@use_experts_implementation
+class DualFlowExperts(nn.Module):
+    """Routed experts stored fused, the transformers 5 way (so experts kernels and PEFT target_parameters apply)."""
+
+    def __init__(self, config: DualFlowConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        # hidden_states: (rows, hidden); top_k_index / top_k_weights: (rows, k)
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            out = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, out.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+
+class DualFlowTopKRouter(nn.Module):
+    """Router shared by both flows; each flow applies its own top-k to the same probabilities."""
+
+    def __init__(self, config: DualFlowConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+
+    def forward(self, hidden_states):
+        router_logits = F.linear(hidden_states, self.weight)  # (rows, num_experts)
+        router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+        return router_logits, router_probs
+
+    def select(self, router_probs: torch.Tensor, top_k: int, dtype: torch.dtype):
+        weights, indices = torch.topk(router_probs, top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(dtype), indices
+
+
+class DualFlowSparseMoeBlock(nn.Module):
+    def __init__(self, config: DualFlowConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.gate = DualFlowTopKRouter(config)
+        self.experts = DualFlowExperts(config)
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = DualFlowMLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, num_primary: int, aux_top_k: int) -> torch.Tensor:
+        batch_size, num_rows, hidden_dim = hidden_states.shape
+        flat = hidden_states.reshape(-1, hidden_dim)
+        _, router_probs = self.gate(flat)
+        if num_rows == num_primary or aux_top_k == self.top_k:
+            weights, indices = self.gate.select(router_probs, self.top_k if num_rows == num_primary else aux_top_k, flat.dtype)
+            output = self.experts(flat, indices, weights)
+        else:
+            output = self._route_two_fanouts(flat, router_probs, batch_size, num_rows, num_primary, aux_top_k)
+        if hasattr(self, "shared_expert"):
+            output = output + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return output.view(batch_size, num_rows, hidden_dim)
+
+    def _route_two_fanouts(self, flat, router_probs, batch_size, num_rows, num_primary, aux_top_k):
+        # One experts call for both flows: every (row, expert) pair becomes a top-1 row, so primary rows cost k_p
+        # experts and aux rows k_a, and no "no expert" padding index ever reaches the kernels.
+        probs = router_probs.view(batch_size, num_rows, -1)
+        weights_p, indices_p = self.gate.select(probs[:, :num_primary], self.top_k, flat.dtype)
+        weights_a, indices_a = self.gate.select(probs[:, num_primary:], aux_top_k, flat.dtype)
+        row_ids = torch.arange(batch_size * num_rows, device=flat.device).view(batch_size, num_rows, 1)
+        pair_rows = torch.cat(
+            [row_ids[:, :num_primary].expand_as(indices_p).reshape(-1), row_ids[:, num_primary:].expand_as(indices_a).reshape(-1)]
+        )
+        pair_experts = torch.cat([indices_p.reshape(-1), indices_a.reshape(-1)]).unsqueeze(-1)
+        pair_weights = torch.cat([weights_p.reshape(-1), weights_a.reshape(-1)]).unsqueeze(-1)
+        pair_output = self.experts(flat[pair_rows], pair_experts, pair_weights)
+        return torch.zeros_like(flat).index_add(0, pair_rows, pair_output)
+
+
+class DualFlowDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: DualFlowConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DualFlowAttention(config, layer_idx)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = DualFlowSparseMoeBlock(config)
+        else:
+            self.mlp = DualFlowMLP(config, config.intermediate_size)
+        self.input_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # c_l: how much of the primary state entering this layer the aux flow adds to its own (0 at upcycling).
+        self.aux_coupling = nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        num_primary: int,
+        aux_positions: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        is_causal: bool | None = None,
+        past_key_values: Cache | None = None,
+        aux_top_k: int | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        # hidden_states: (batch, T + P, hidden) = [primary rows; aux rows]
+        if aux_positions is not None:
+            aux_rows = torch.arange(num_primary, hidden_states.shape[1], device=hidden_states.device)
+            coupled = self.aux_coupling * hidden_states[:, aux_positions]
+            hidden_states = hidden_states.index_add(1, aux_rows, coupled)
+
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            self.input_layernorm(hidden_states),
+            num_primary=num_primary,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            is_causal=is_causal,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        if isinstance(self.mlp, DualFlowSparseMoeBlock):
+            hidden_states = self.mlp(hidden_states, num_primary, aux_top_k)
+        else:
+            hidden_states = self.mlp(hidden_states)
+        return residual + hidden_states
+
+
+@dataclass
+class DualFlowModelOutputWithPast(MoeModelOutputWithPast):
+    r"""
+    last_hidden_state (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`):
+        Final-normed primary flow states.
+    aux_last_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_aux_positions, hidden_size)`, *optional*):
+        Final-normed auxiliary flow states at `aux_positions`; `None` when the aux flow did not run.
+    hidden_states / attentions / router_logits:
+        Per layer, over the stacked rows `[primary (T); aux (P)]` of that layer.
+    """
+
+    aux_last_hidden_state: torch.FloatTensor | None = None
+
+
+@dataclass
+class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    r"""
+    logits (`torch.FloatTensor`):
+        The prediction: aux flow logits when the aux flow is on, primary logits when it is off.
+    primary_logits (`torch.FloatTensor`):
+        Primary flow logits at the same positions.
+    hidden_states (`tuple(torch.FloatTensor)`, *optional*):
+        Primary flow states (embeddings, then each layer's output).
+    aux_hidden_states (`tuple(torch.FloatTensor)`, *optional*):
+        Aux flow states at the predicted positions (embeddings, then each layer's output).
+    """
+
+    primary_logits: torch.FloatTensor | None = None
+    aux_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+
+
+class DualFlowPreTrainedModel(PreTrainedModel):
+    config: DualFlowConfig
+    config_class = DualFlowConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DualFlowDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    # Flash / flex kernels cannot take the stacked [primary; aux] query rows with a copied mask row.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+    _can_compile_fullgraph = False
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(DualFlowTopKRouter, index=0),
+        "hidden_states": DualFlowDecoderLayer,
+        "attentions": OutputRecorder(DualFlowAttention, index=1),
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, DualFlowExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, DualFlowTopKRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, DualFlowDecoderLayer):
+            init.zeros_(module.aux_coupling)
+
+
+class DualFlowModel(DualFlowPreTrainedModel):
+    def __init__(self, config: DualFlowConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.aux_embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [DualFlowDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DualFlowRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_aux_input_embeddings(self) -> nn.Embedding:
+        return self.aux_embed_tokens
+
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_length):
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+        if len(shape) != 2:
+            raise ValueError(f"input_ids must have shape (batch, sequence_length), got {tuple(shape)}")
+        if input_ids is not None and input_ids.numel():
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"input_ids contain token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        if attention_mask is not None and attention_mask.dim() == 2:
+            expected = (shape[0], past_length + shape[1])
+            if tuple(attention_mask.shape) != expected:
+                raise ValueError(
+                    f"attention_mask has shape {tuple(attention_mask.shape)}, expected {expected} "
+                    "(batch, past + new tokens)"
+                )
+
+    def _grouped_attention_mask(self, primary_mask, num_primary, aux_positions, past_length):
+        """Mask and is_causal flag for the stacked query rows: an aux row reuses its position's primary mask row."""
+        if aux_positions is None:
+            return primary_mask, None
+        if primary_mask is not None:
+            return torch.cat([primary_mask, primary_mask[:, :, aux_positions]], dim=2), None
+        # The mask was skipped: plain causal attention with no padding.
+        if num_primary == 1:
+            return None, False  # decode: every row sees every cached key
+        if past_length == 0 and bool((aux_positions == num_primary - 1).all()):
+            # sdpa aligns is_causal top-left: rows >= T-1 see all T keys, exactly the last position's row.
+            return None, True
+        device = aux_positions.device
+        query_pos = torch.cat([torch.arange(num_primary, device=device), aux_positions]) + past_length
+        mask = torch.arange(past_length + num_primary, device=device)[None, :] <= query_pos[:, None]
+        return mask[None, None], None
+
+    @merge_with_config_defaults
+    @capture_outputs(tie_last_hidden_states=False)
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        aux_positions: torch.LongTensor | None = None,
+        aux_num_experts_per_tok: int | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> DualFlowModelOutputWithPast:
+        r"""
+        aux_positions (`torch.LongTensor` of shape `(num_aux_positions,)`, *optional*):
+            Sequence indices at which the auxiliary flow runs; `None` runs the primary flow only.
+        aux_num_experts_per_tok (`int`, *optional*):
+            Expert top-k of the aux flow for this call; defaults to `config.aux_num_experts_per_tok`.
+        """
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        self._check_inputs(input_ids, inputs_embeds, attention_mask, past_length)
+        if aux_positions is not None and input_ids is None:
+            raise ValueError("The aux flow embeds input_ids with its own table: pass input_ids, or use_aux_flow=False")
+        aux_top_k = aux_num_experts_per_tok or self.config.aux_num_experts_per_tok
+        if self.config.num_experts and not 1 <= aux_top_k <= self.config.num_experts:
+            raise ValueError(
+                f"aux_num_experts_per_tok must be in [1, num_experts={self.config.num_experts}], got {aux_top_k}"
+            )
+
+        if use_cache and past_key_values is None:
+            past_key_values = DualFlowCache(config=self.config)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        num_primary = inputs_embeds.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(num_primary, device=inputs_embeds.device).unsqueeze(0) + past_length
+
+        mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
+        primary_mask = mask_function(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+
+        hidden_states = inputs_embeds
+        row_positions = position_ids
+        if aux_positions is not None:
+            hidden_states = torch.cat([inputs_embeds, self.aux_embed_tokens(input_ids[:, aux_positions])], dim=1)
+            row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
+        grouped_mask, is_causal = self._grouped_attention_mask(primary_mask, num_primary, aux_positions, past_length)
+        if is_causal is None and grouped_mask is not None and grouped_mask.dtype == torch.bool:
+            if self.config._attn_implementation == "eager":
+                grouped_mask = torch.zeros(grouped_mask.shape, dtype=inputs_embeds.dtype, device=grouped_mask.device).masked_fill(
+                    ~grouped_mask, torch.finfo(inputs_embeds.dtype).min
+                )
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
+
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                num_primary=num_primary,
+                aux_positions=aux_positions,
+                attention_mask=grouped_mask,
+                position_embeddings=position_embeddings,
+                is_causal=is_causal,
+                past_key_values=past_key_values,
+                aux_top_k=aux_top_k,
+                **kwargs,
+            )
+
+        hidden_states = self.norm(hidden_states)
+        return DualFlowModelOutputWithPast(
+            last_hidden_state=hidden_states[:, :num_primary],
+            aux_last_hidden_state=hidden_states[:, num_primary:] if aux_positions is not None else None,
+            past_key_values=past_key_values,
+        )
+
+
+def aux_positions_for(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Sequence indices whose logits are requested (DESIGN §5b): 0 = all, int k = last k, tensor = those indices."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        positions = logits_to_keep.to(device=device, dtype=torch.long).reshape(-1)
+        positions = torch.where(positions < 0, positions + seq_len, positions)
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= seq_len):
+            raise ValueError(f"logits_to_keep holds indices outside [0, {seq_len})")
+        return positions
+    if logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
+    keep = seq_len if logits_to_keep == 0 else min(logits_to_keep, seq_len)
+    return torch.arange(seq_len - keep, seq_len, device=device)
+
+
+class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: DualFlowConfig):
+        super().__init__(config)
+        self.model = DualFlowModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def aux_parameter_names(self) -> list[str]:
+        """Parameters that belong to the aux flow alone: its token embedding and the per-layer couplings."""
+        return [name for name, _ in self.named_parameters() if "aux_embed_tokens" in name or "aux_coupling" in name]
+
+    def freeze_for_aux_training(self) -> "DualFlowForCausalLM":
+        """
+        Cheap upcycling recipe: train only the aux flow's own parameters (aux embedding, couplings). Every shared
+        weight stays frozen, so the primary flow, its logits and its cache stay bit-identical to the source model.
+        """
+        aux_names = set(self.aux_parameter_names())
+        for name, parameter in self.named_parameters():
+            parameter.requires_grad_(name in aux_names)
+        return self
+
+    @torch.no_grad()
+    def init_aux_from_primary(self):
+        """Upcycling init: aux embedding = primary embedding, coupling = 0 (with k_a == k_p: aux == primary)."""
+        self.model.aux_embed_tokens.weight.copy_(self.model.embed_tokens.weight)
+        for layer in self.model.layers:
+            layer.aux_coupling.zero_()
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        old_aux = self.model.aux_embed_tokens
+        new_aux = self._get_resized_embeddings(old_aux, embeddings.weight.shape[0], None, mean_resizing)
+        self.model.aux_embed_tokens = new_aux
+        self.model.vocab_size = self.config.vocab_size
+        return embeddings
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        # generate() would build a plain DynamicCache; give it ours unless the caller chose a cache.
+        if (
+            model_kwargs.get("past_key_values") is None
+            and generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic")
+        ):
+            model_kwargs["past_key_values"] = DualFlowCache(config=self.config)
+            return
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        use_aux_flow: bool | None = None,
+        aux_num_experts_per_tok: int | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> DualFlowCausalLMOutputWithPast:
+        r"""
+        use_aux_flow (`bool`, *optional*):
+            Run the auxiliary flow at the positions selected by `logits_to_keep` and predict with it; defaults to
+            `config.use_aux_flow`. The primary flow, its logits and the cache are the same either way.
+        aux_num_experts_per_tok (`int`, *optional*):
+            Aux-flow expert top-k for this call (trade decode cost for quality without reconverting).
+        """
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        use_aux_flow = self.config.use_aux_flow if use_aux_flow is None else use_aux_flow
+        seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        keep_positions = aux_positions_for(logits_to_keep, seq_len, device)
+
+        outputs: DualFlowModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            aux_positions=keep_positions if use_aux_flow else None,
+            aux_num_experts_per_tok=aux_num_experts_per_tok,
+            **kwargs,
+        )
+
+        # One LM-head call over the rows that need logits; stacking on the batch dim keeps both halves contiguous.
+        primary_rows = outputs.last_hidden_state
+        if keep_positions.numel() != seq_len:
+            primary_rows = primary_rows[:, keep_positions]
+        if use_aux_flow:
+            all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
+            primary_logits, logits = all_logits.split(primary_rows.shape[0], dim=0)
+        else:
+            primary_logits = logits = self.lm_head(primary_rows)
+
+        loss = None
+        if labels is not None:
+            if keep_positions.numel() != seq_len:
+                raise ValueError("labels need logits at every position: leave logits_to_keep at 0")
+            loss = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
+            if use_aux_flow:
+                aux_ce = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+                loss = aux_ce + self.config.primary_loss_weight * loss
+
+        aux_loss = None
+        hidden_states, aux_hidden_states, router_logits = outputs.hidden_states, None, outputs.router_logits
+        if hidden_states is not None:
+            hidden_states = tuple(h[:, :seq_len] for h in outputs.hidden_states)
+            if use_aux_flow:
+                aux_hidden_states = tuple(h[:, seq_len:] for h in outputs.hidden_states)
+        if output_router_logits and router_logits:
+            aux_loss = self._router_balance_loss(router_logits, attention_mask, seq_len, keep_positions, use_aux_flow, aux_num_experts_per_tok)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+
+        return DualFlowCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            primary_logits=primary_logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=hidden_states,
+            aux_hidden_states=aux_hidden_states,
+            attentions=outputs.attentions,
+            router_logits=router_logits,
+        )
+
+    def _router_balance_loss(self, router_logits, attention_mask, seq_len, keep_positions, use_aux_flow, aux_top_k):
+        """Switch-style balance loss of each flow over its own rows and top-k, summed."""
+        num_experts = self.config.num_experts
+        aux_top_k = aux_top_k or self.config.aux_num_experts_per_tok
+        num_rows = router_logits[0].shape[0] // (seq_len + (keep_positions.numel() if use_aux_flow else 0))
+        per_row = [layer.view(num_rows, -1, num_experts) for layer in router_logits]
+        # The padding mask is only usable when it covers exactly these positions (no cache).
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == seq_len else None
+        primary = tuple(layer[:, :seq_len].reshape(-1, num_experts) for layer in per_row)
+        loss = load_balancing_loss_func(primary, num_experts, self.config.num_experts_per_tok, mask)
+        if use_aux_flow:
+            aux = tuple(layer[:, seq_len:].reshape(-1, num_experts) for layer in per_row)
+            aux_mask = mask[:, keep_positions] if mask is not None else None
+            loss = loss + load_balancing_loss_func(aux, num_experts, aux_top_k, aux_mask)
+        return loss
+
+
+__all__ = ["DualFlowPreTrainedModel", "DualFlowModel", "DualFlowForCausalLM"]
