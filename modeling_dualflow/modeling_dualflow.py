@@ -537,6 +537,13 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         self.model.vocab_size = self.config.vocab_size
         return embeddings
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        if self._auto_class is not None:  # saved as remote code: let AutoModel find the base model too
+            auto_map = dict(getattr(self.config, "auto_map", None) or {})
+            auto_map["AutoModel"] = "modeling_dualflow.DualFlowModel"
+            self.config.auto_map = auto_map
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # generate() would build a plain DynamicCache; give it ours unless the caller chose a cache.
         if (

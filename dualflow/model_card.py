@@ -1,0 +1,53 @@
+"""Model cards for Dual-Flow checkpoints, rendered from `model_cards/dualflow.md` with huggingface_hub."""
+
+from importlib import resources
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+
+def render_model_card(
+    config,
+    repo_id: str = "path/to/this/folder",
+    base_model: str | None = None,
+    license: str | None = None,
+    conversion_command: str | None = None,
+    parity: dict | None = None,
+    extra: str | None = None,
+) -> ModelCard:
+    """
+    Card for a Dual-Flow checkpoint. `parity`: dict with source_class, max_abs_diff_aux, max_abs_diff_primary,
+    greedy_identical (as `dualflow convert --verify` reports it). `extra`: markdown appended to the body.
+    """
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["dual-flow", "custom_code"] + (["moe"] if config.num_experts else []),
+        base_model=base_model,
+        license=license,
+    )
+    template = resources.files("dualflow.model_cards").joinpath("dualflow.md").read_text()
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        model_name=repo_id.rstrip("/").split("/")[-1],
+        repo_id=repo_id,
+        base_model=base_model,
+        architecture=(config.architectures or ["DualFlowForCausalLM"])[0],
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_experts=config.num_experts,
+        primary_top_k=config.num_experts_per_tok,
+        aux_top_k=config.aux_num_experts_per_tok,
+        use_aux_flow=config.use_aux_flow,
+        conversion_command=conversion_command,
+        parity=parity,
+        extra=extra,
+    )
+
+
+def write_model_card(out_dir, config, **kwargs) -> Path:
+    """Render the card (see `render_model_card`) into `out_dir/README.md`."""
+    path = Path(out_dir) / "README.md"
+    render_model_card(config, **kwargs).save(path)
+    return path

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny configs/models and a hermetic remote-code cache per test session."""
+
+import os
+import tempfile
+
+# transformers reads HF_MODULES_CACHE at import: point it at a private folder before anything imports it.
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="dualflow-hf-modules-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM  # noqa: E402
+
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    moe_intermediate_size=24,
+    max_position_embeddings=128,
+)
+
+
+def tiny_config(**overrides) -> DualFlowConfig:
+    """A tiny MoE Dual-Flow config (4 experts, k_p=2); pass num_experts=0 for a dense one."""
+    fields = dict(TINY, num_experts=4, num_experts_per_tok=2)
+    fields.update(overrides)
+    return DualFlowConfig(**fields)
+
+
+def tiny_model(seed: int = 0, random_coupling: bool = True, attn_implementation: str = "sdpa", **overrides):
+    """Random tiny model in eval mode; non-zero couplings so the aux flow differs from the primary one."""
+    torch.manual_seed(seed)
+    model = DualFlowForCausalLM(tiny_config(**overrides)).eval()
+    model.set_attn_implementation(attn_implementation)
+    if random_coupling:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.aux_coupling.normal_(std=0.5)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield
