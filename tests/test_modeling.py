@@ -1,0 +1,410 @@
+"""Tiny-config tester for DualFlowConfig / DualFlowForCausalLM / DualFlowCache (DESIGN §7 invariants 1, 3, 4, 5)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_config, tiny_model
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from dualflow.reference import two_pass_forward
+from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
+
+
+VARIANTS = {
+    "moe": {},
+    "moe_ka_gt_kp": {"aux_num_experts_per_tok": 4},
+    "moe_ka_lt_kp": {"num_experts_per_tok": 3, "aux_num_experts_per_tok": 1},
+    "dense": {"num_experts": 0},
+    "qwen2moe_shared_expert": {"shared_expert_intermediate_size": 16, "norm_topk_prob": False, "qkv_bias": True},
+    "olmoe_full_qk_norm_clip": {"qk_norm": "full", "clip_qkv": 0.5, "norm_topk_prob": False},
+    "qwen3_per_head_qk_norm": {"qk_norm": "per_head", "mlp_only_layers": [0]},
+    "sliding_window": {"sliding_window": 3, "num_experts": 0},
+    "tied_bias_sparse_step": {"tie_word_embeddings": True, "attention_bias": True, "decoder_sparse_step": 2},
+}
+
+
+def left_padded_batch(lengths, vocab_size=97, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.randint(1, vocab_size, (len(lengths), width), generator=generator)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        attention_mask[row, width - length :] = 1
+        input_ids[row, : width - length] = 0
+    return input_ids, attention_mask
+
+
+def valid_rows(attention_mask):
+    return attention_mask.bool()  # compare logits only at real (non-padding) positions
+
+
+class TestConfig:
+    def test_defaults_follow_primary_fields(self):
+        config = tiny_config(num_experts_per_tok=3)
+        assert config.aux_num_experts_per_tok == 3
+        assert config.head_dim == 8 and config.qkv_bias is False and config.moe_intermediate_size == 24
+        assert config.use_aux_flow is True and config.primary_loss_weight == 1.0
+
+    @pytest.mark.parametrize(
+        "overrides, field",
+        [
+            ({"aux_num_experts_per_tok": 5}, "aux_num_experts_per_tok"),
+            ({"aux_num_experts_per_tok": 0}, "aux_num_experts_per_tok"),
+            ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+            ({"num_key_value_heads": 3}, "num_key_value_heads"),
+            ({"qk_norm": "rms"}, "qk_norm"),
+            ({"primary_loss_weight": -1.0}, "primary_loss_weight"),
+            ({"num_experts": -2}, "num_experts"),
+            ({"mlp_only_layers": [5]}, "mlp_only_layers"),
+            ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+            ({"sliding_window": 0}, "sliding_window"),
+            ({"hidden_size": 30, "head_dim": None}, "hidden_size"),
+        ],
+    )
+    def test_inconsistent_values_name_the_field(self, overrides, field):
+        with pytest.raises(ValueError, match=field):
+            tiny_config(**overrides)
+
+    def test_dense_ignores_top_k_fields(self):
+        assert tiny_config(num_experts=0, num_experts_per_tok=99).num_experts == 0
+
+    def test_save_load_round_trip(self, tmp_path):
+        config = tiny_config(aux_num_experts_per_tok=3, qk_norm="per_head", sliding_window=4)
+        config.save_pretrained(tmp_path)
+        loaded = AutoConfig.from_pretrained(tmp_path)
+        assert isinstance(loaded, DualFlowConfig)
+        assert {**loaded.to_dict(), "_name_or_path": ""} == config.to_dict()
+
+
+class TestGroupedEqualsReference:
+    """DESIGN §7.4: grouped execution == the slow two-pass reference."""
+
+    @pytest.mark.parametrize("variant", VARIANTS)
+    @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+    def test_all_positions_left_padded(self, variant, attn):
+        model = tiny_model(attn_implementation=attn, **VARIANTS[variant])
+        input_ids, attention_mask = left_padded_batch([7, 4])
+        out = model(input_ids, attention_mask=attention_mask)
+        primary, aux = two_pass_forward(model, input_ids, DynamicCache(), attention_mask=attention_mask)
+        rows = valid_rows(attention_mask)
+        torch.testing.assert_close(out.primary_logits[rows], primary[rows], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.logits[rows], aux[rows], atol=1e-5, rtol=0)
+        assert not torch.allclose(out.logits[rows], out.primary_logits[rows], atol=1e-3)
+
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window"])
+    @pytest.mark.parametrize("logits_to_keep", [1, 3, torch.tensor([0, 2, 5])])
+    def test_selected_positions(self, variant, logits_to_keep):
+        model = tiny_model(**VARIANTS[variant])
+        input_ids = torch.randint(0, 97, (2, 6))
+        out = model(input_ids, logits_to_keep=logits_to_keep)
+        positions = (
+            logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else torch.arange(6 - logits_to_keep, 6)
+        )
+        _, aux = two_pass_forward(model, input_ids, DynamicCache(), aux_positions=positions)
+        torch.testing.assert_close(out.logits, aux, atol=1e-5, rtol=0)
+        assert out.logits.shape == (2, len(positions), 97) == out.primary_logits.shape
+
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
+    def test_decode_step_with_cache(self, variant):
+        model = tiny_model(**VARIANTS[variant])
+        input_ids, attention_mask = left_padded_batch([6, 3])
+        cache = DualFlowCache(config=model.config)
+        model(input_ids[:, :5], attention_mask=attention_mask[:, :5], past_key_values=cache, use_cache=True)
+        reference_cache = DynamicCache()
+        two_pass_forward(model, input_ids[:, :5], reference_cache, attention_mask=attention_mask[:, :5])
+        step = model(input_ids[:, 5:], attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        _, aux = two_pass_forward(
+            model, input_ids[:, 5:], reference_cache, attention_mask=attention_mask, position_ids=torch.tensor([[5]])
+        )
+        torch.testing.assert_close(step.logits, aux, atol=1e-5, rtol=0)
+
+    @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+    def test_experts_kernels_with_two_fanouts(self, implementation):
+        model = tiny_model(aux_num_experts_per_tok=4)
+        model.set_experts_implementation(implementation)
+        input_ids = torch.randint(0, 97, (2, 5))
+        out = model(input_ids)
+        primary, aux = two_pass_forward(model, input_ids, DynamicCache())
+        torch.testing.assert_close(out.logits, aux, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.primary_logits, primary, atol=1e-5, rtol=0)
+
+
+class TestPrimaryIsolation:
+    """DESIGN §7.1: primary states, logits and cache ignore everything about the aux flow."""
+
+    def _primary_run(self, model, input_ids, attention_mask, **kwargs):
+        cache = DualFlowCache(config=model.config)
+        out = model(
+            input_ids, attention_mask=attention_mask, past_key_values=cache, output_hidden_states=True, **kwargs
+        )
+        keys = [layer.keys.clone() for layer in cache.layers] + [layer.values.clone() for layer in cache.layers]
+        return out.primary_logits, out.hidden_states, keys
+
+    @pytest.mark.parametrize("variant", ["moe", "dense", "qwen2moe_shared_expert"])
+    def test_aux_parameters_top_k_and_switch_do_not_touch_primary(self, variant):
+        model = tiny_model(**VARIANTS[variant])
+        input_ids, attention_mask = left_padded_batch([6, 4])
+        baseline = self._primary_run(model, input_ids, attention_mask, use_aux_flow=False)
+        runs = [self._primary_run(model, input_ids, attention_mask, use_aux_flow=True)]
+        if model.config.num_experts:
+            runs.append(self._primary_run(model, input_ids, attention_mask, aux_num_experts_per_tok=4))
+        with torch.no_grad():
+            model.model.aux_embed_tokens.weight.normal_()
+            for layer in model.model.layers:
+                layer.aux_coupling.normal_(std=3.0)
+        runs.append(self._primary_run(model, input_ids, attention_mask))
+        rows = valid_rows(attention_mask)
+        for logits, hidden_states, cache_tensors in runs:
+            torch.testing.assert_close(logits[rows], baseline[0][rows], atol=1e-5, rtol=0)
+            for state, expected in zip(hidden_states, baseline[1]):
+                torch.testing.assert_close(state[rows], expected[rows], atol=1e-5, rtol=0)
+            for tensor, expected in zip(cache_tensors, baseline[2]):
+                torch.testing.assert_close(tensor, expected, atol=1e-5, rtol=0)
+
+
+class TestCachedEqualsUncached:
+    """DESIGN §7.3: step-by-step decoding == one forward over the whole sequence."""
+
+    @pytest.mark.parametrize("use_aux_flow", [True, False])
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window"])
+    def test_generate_scores_match_full_forward(self, use_aux_flow, variant):
+        model = tiny_model(**VARIANTS[variant])
+        input_ids, attention_mask = left_padded_batch([5, 3])
+        generated = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=6,
+            do_sample=False,
+            use_aux_flow=use_aux_flow,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        full_mask = torch.cat([attention_mask, torch.ones(2, 6, dtype=torch.long)], dim=1)
+        full = model(generated.sequences, attention_mask=full_mask, use_aux_flow=use_aux_flow)
+        step_logits = torch.stack(generated.logits, dim=1)  # (batch, new tokens, vocab)
+        torch.testing.assert_close(step_logits, full.logits[:, 4:-1], atol=1e-5, rtol=0)
+
+    def test_batched_left_padding_equals_single_prompts(self):
+        model = tiny_model(aux_num_experts_per_tok=3)
+        input_ids, attention_mask = left_padded_batch([6, 3])
+        batched = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
+        for row, length in enumerate([6, 3]):
+            single = model.generate(input_ids[row : row + 1, 6 - length :], max_new_tokens=5, do_sample=False)
+            assert batched[row, -5:].tolist() == single[0, -5:].tolist()
+
+
+class TestGenerate:
+    def test_greedy_follows_aux_argmax_and_switch_changes_prediction(self):
+        model = tiny_model(aux_num_experts_per_tok=3)
+        prompt = torch.randint(0, 97, (1, 4))
+        sequence = prompt
+        for _ in range(5):  # no cache at all: the slowest possible greedy loop
+            next_token = model(sequence).logits[:, -1].argmax(-1, keepdim=True)
+            sequence = torch.cat([sequence, next_token], dim=1)
+        assert model.generate(prompt, max_new_tokens=5, do_sample=False).tolist() == sequence.tolist()
+        primary_only = model.generate(prompt, max_new_tokens=5, do_sample=False, use_aux_flow=False)
+        expected = prompt
+        for _ in range(5):
+            next_token = model(expected, use_aux_flow=False).logits[:, -1].argmax(-1, keepdim=True)
+            expected = torch.cat([expected, next_token], dim=1)
+        assert primary_only.tolist() == expected.tolist()
+
+    def test_sampling_is_seeded_and_uses_aux_distribution(self):
+        model = tiny_model()
+        prompt = torch.randint(0, 97, (2, 4))
+        torch.manual_seed(3)
+        first = model.generate(prompt, max_new_tokens=4, do_sample=True, top_k=0, temperature=1.0)
+        torch.manual_seed(3)
+        second = model.generate(prompt, max_new_tokens=4, do_sample=True, top_k=0, temperature=1.0)
+        assert first.tolist() == second.tolist()
+        torch.manual_seed(3)
+        expected = torch.multinomial(F.softmax(model(prompt).logits[:, -1], dim=-1), 1)
+        assert first[:, 4:5].tolist() == expected.tolist()
+
+    def test_per_call_aux_top_k_equals_config_value(self):
+        model = tiny_model()
+        prompt = torch.randint(0, 97, (1, 5))
+        per_call = model.generate(prompt, max_new_tokens=5, do_sample=False, aux_num_experts_per_tok=4)
+        model.config.aux_num_experts_per_tok = 4
+        assert model.generate(prompt, max_new_tokens=5, do_sample=False).tolist() == per_call.tolist()
+
+    def test_generate_uses_dualflow_cache_and_beam_search_runs(self):
+        model = tiny_model()
+        prompt = torch.randint(0, 97, (2, 4))
+        out = model.generate(prompt, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        assert isinstance(out.past_key_values, DualFlowCache)
+        beams = model.generate(prompt, max_new_tokens=3, num_beams=3, do_sample=False)
+        assert beams.shape == (2, 7)
+
+
+class TestKvBytes:
+    """DESIGN §7.5: the cache is the base model's cache."""
+
+    def test_dualflow_cache_bytes_equal_base_model_cache(self):
+        model = tiny_model(qk_norm="per_head", aux_num_experts_per_tok=4)
+        config = model.config
+        base = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                vocab_size=config.vocab_size,
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                moe_intermediate_size=config.moe_intermediate_size,
+                num_hidden_layers=config.num_hidden_layers,
+                num_attention_heads=config.num_attention_heads,
+                num_key_value_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                num_experts=config.num_experts,
+                num_experts_per_tok=config.num_experts_per_tok,
+            )
+        ).eval()
+        input_ids = torch.randint(0, 97, (2, 9))
+        base_cache = base(input_ids, use_cache=True).past_key_values
+        base_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in base_cache.layers)
+        dual_cache = model(input_ids, use_cache=True).past_key_values
+        primary_cache = model(input_ids, use_cache=True, use_aux_flow=False).past_key_values
+        assert dual_cache.nbytes() == primary_cache.nbytes() == base_bytes
+        assert base_bytes == 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * 9 * config.head_dim * 4
+
+
+class TestOutputsAndLoss:
+    def test_loss_is_aux_ce_plus_weighted_primary_ce_plus_balance(self):
+        model = tiny_model(primary_loss_weight=0.5)
+        input_ids = torch.randint(0, 97, (2, 6))
+        out = model(input_ids, labels=input_ids, output_router_logits=True)
+
+        def causal_ce(logits):
+            return F.cross_entropy(logits[:, :-1].reshape(-1, 97), input_ids[:, 1:].reshape(-1))
+
+        expected = causal_ce(out.logits) + 0.5 * causal_ce(out.primary_logits)
+        torch.testing.assert_close(out.loss, expected + model.config.router_aux_loss_coef * out.aux_loss)
+        off = model(input_ids, labels=input_ids, use_aux_flow=False)
+        torch.testing.assert_close(off.loss, causal_ce(off.logits))
+        assert len(out.router_logits) == 2 and out.router_logits[0].shape == (2 * 12, 4)
+
+    def test_balance_loss_is_per_flow(self):
+        model = tiny_model(aux_num_experts_per_tok=3)
+        input_ids = torch.randint(0, 97, (1, 5))
+        on = model(input_ids, output_router_logits=True)
+        off = model(input_ids, output_router_logits=True, use_aux_flow=False)
+        assert on.aux_loss > off.aux_loss > 0  # the aux flow adds its own balance term
+
+    def test_hidden_states_and_attentions_split_by_flow(self):
+        model = tiny_model(attn_implementation="eager")
+        input_ids = torch.randint(0, 97, (2, 6))
+        out = model(input_ids, logits_to_keep=2, output_hidden_states=True, output_attentions=True)
+        assert len(out.hidden_states) == 3 and out.hidden_states[0].shape == (2, 6, 32)
+        assert out.aux_hidden_states[0].shape == (2, 2, 32)
+        torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(input_ids))
+        torch.testing.assert_close(out.aux_hidden_states[0], model.model.aux_embed_tokens(input_ids[:, 4:]))
+        assert out.attentions[0].shape == (2, 4, 6 + 2, 6)
+
+    def test_gradient_checkpointing_gives_same_gradients(self):
+        grads = []
+        for checkpointing in (False, True):
+            model = tiny_model().train()
+            if checkpointing:
+                model.activation_checkpointing_enable()
+            input_ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(0))
+            model(input_ids, labels=input_ids).loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys() and "model.aux_embed_tokens.weight" in grads[0]
+        for name in grads[0]:
+            torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5)
+
+
+class TestInitAndResize:
+    def test_from_scratch_init(self):
+        model = tiny_model(random_coupling=False)
+        assert all(torch.count_nonzero(layer.aux_coupling) == 0 for layer in model.model.layers)
+        assert not torch.equal(model.model.aux_embed_tokens.weight, model.model.embed_tokens.weight)
+        assert model.model.aux_embed_tokens.weight.std() > 0.01
+
+    @pytest.mark.parametrize("variant", ["moe", "dense", "olmoe_full_qk_norm_clip"])
+    def test_upcycling_init_reproduces_primary(self, variant):
+        model = tiny_model(**VARIANTS[variant])
+        model.init_aux_from_primary()
+        input_ids = torch.randint(0, 97, (2, 7))
+        out = model(input_ids)
+        torch.testing.assert_close(out.logits, out.primary_logits, atol=1e-5, rtol=0)
+
+    def test_resize_token_embeddings_resizes_aux_embedding(self):
+        model = tiny_model()
+        old_aux = model.model.aux_embed_tokens.weight.detach().clone()
+        model.resize_token_embeddings(120)
+        assert model.model.aux_embed_tokens.weight.shape == (120, 32) == model.model.embed_tokens.weight.shape
+        torch.testing.assert_close(model.model.aux_embed_tokens.weight[:97], old_aux)
+        assert model(torch.tensor([[119, 3, 100]])).logits.shape == (1, 3, 120)
+
+    def test_freeze_for_aux_training(self):
+        model = tiny_model()
+        model.freeze_for_aux_training()
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        assert trainable == {"model.aux_embed_tokens.weight"} | {
+            f"model.layers.{i}.aux_coupling" for i in range(2)
+        }
+
+
+class TestBadInputs:
+    def test_token_id_out_of_range(self):
+        with pytest.raises(ValueError, match="token id 97 outside the vocabulary"):
+            tiny_model()(torch.tensor([[1, 97]]))
+        with pytest.raises(ValueError, match="token id -1"):
+            tiny_model()(torch.tensor([[1, -1]]))
+
+    def test_attention_mask_shape_mismatch(self):
+        with pytest.raises(ValueError, match="attention_mask has shape"):
+            tiny_model()(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 4, dtype=torch.long))
+
+    def test_aux_flow_needs_input_ids(self):
+        model = tiny_model()
+        embeds = model.model.embed_tokens(torch.tensor([[1, 2]]))
+        with pytest.raises(ValueError, match="pass input_ids"):
+            model(inputs_embeds=embeds)
+        assert model(inputs_embeds=embeds, use_aux_flow=False).logits.shape == (1, 2, 97)
+
+    def test_bad_aux_top_k_and_logits_to_keep(self):
+        model = tiny_model()
+        with pytest.raises(ValueError, match="aux_num_experts_per_tok"):
+            model(torch.tensor([[1, 2]]), aux_num_experts_per_tok=5)
+        with pytest.raises(ValueError, match="logits_to_keep"):
+            model(torch.tensor([[1, 2]]), logits_to_keep=torch.tensor([2]))
+
+
+def test_remote_code_round_trip_in_fresh_process(tmp_path):
+    model = tiny_model(aux_num_experts_per_tok=3, qk_norm="per_head")
+    model.save_pretrained(tmp_path / "ckpt")
+    saved = set(os.listdir(tmp_path / "ckpt"))
+    assert {"configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py", "config.json"} <= saved
+    auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_dualflow.DualFlowForCausalLM"
+    input_ids = torch.randint(0, 97, (1, 6))
+    expected = model.generate(input_ids, max_new_tokens=4, do_sample=False)
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["modeling_dualflow"] = None  # the package must not be importable here
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        print(model.generate(torch.tensor({input_ids.tolist()}), max_new_tokens=4, do_sample=False).tolist())
+        """
+    )
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == str(expected.tolist())
+
+
+def test_native_auto_registration():
+    config = tiny_config()
+    assert type(AutoModelForCausalLM.from_config(config)) is DualFlowForCausalLM
