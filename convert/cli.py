@@ -1,0 +1,59 @@
+"""`dualflow convert SRC OUT`: command-line entry of the checkpoint converter."""
+
+import argparse
+
+from .converter import DTYPES, convert_checkpoint
+from .families import SUPPORTED_MODEL_TYPES
+
+
+def register(subparsers):
+    parser = subparsers.add_parser(
+        "convert",
+        help="upcycle a transformers checkpoint into a Dual-Flow checkpoint",
+        description=(
+            "Convert a checkpoint folder or Hub repo id into a Hub-ready Dual-Flow checkpoint whose primary flow is "
+            f"exactly the source model. Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("src", metavar="SRC", help="source checkpoint: local folder or Hub repo id")
+    parser.add_argument("out", metavar="OUT", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument(
+        "--aux-top-k",
+        type=int,
+        default=None,
+        help="experts per token of the aux flow (k_a); default: the source's top-k (exact parity); MoE sources only",
+    )
+    parser.add_argument("--dtype", choices=list(DTYPES), default="auto", help="output dtype; auto keeps the source's")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare logits (aux on/off) and greedy generations with the source; fail on a mismatch",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    summary = convert_checkpoint(
+        args.src,
+        args.out,
+        aux_top_k=args.aux_top_k,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        verify=args.verify,
+        overwrite=args.overwrite,
+    )
+    experts = (
+        f", {summary['num_experts']} experts, k_p={summary['top_k']}, k_a={summary['aux_top_k']}"
+        if summary["num_experts"]
+        else ", dense"
+    )
+    print(
+        f"wrote {summary['out']}: {summary['model_type']}{experts}; {summary['num_tensors']} tensors in "
+        f"{summary['num_shards']} shard(s), {summary['total_bytes'] / 1e6:.1f} MB"
+    )
+    if summary["parity"] is not None:
+        print(f"verify: {summary['parity']['summary']}")
+    return 0

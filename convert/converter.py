@@ -1,0 +1,199 @@
+"""`convert_checkpoint`: upcycle a transformers checkpoint into a Hub-ready Dual-Flow checkpoint folder."""
+
+import shlex
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from huggingface_hub import metadata_load
+from transformers.utils.hub import convert_file_size_to_int
+
+import modeling_dualflow
+from dualflow.errors import DualFlowUserError
+from dualflow.model_card import write_model_card
+from modeling_dualflow import DualFlowConfig
+
+from .engine import plan_targets, write_checkpoint
+from .families import family_for
+from .source import SourceCheckpoint, resolve_source
+from .verify import check_parity
+
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The files a remote-code load of the checkpoint imports (modeling_dualflow.py imports the other two).
+CODE_FILES = ("configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py")
+AUTO_MAP = {
+    "AutoConfig": "configuration_dualflow.DualFlowConfig",
+    "AutoModel": "modeling_dualflow.DualFlowModel",
+    "AutoModelForCausalLM": "modeling_dualflow.DualFlowForCausalLM",
+}
+# Source files that travel unchanged: tokenizer, chat template, generation defaults.
+PASSTHROUGH_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+    "generation_config.json",
+)
+
+
+def build_config(source: SourceCheckpoint, aux_top_k: int | None, dtype: torch.dtype | None) -> DualFlowConfig:
+    family = family_for(source.model_type)
+    fields = family.dualflow_config_fields(source.parse_config())
+    num_experts = fields.get("num_experts", 0)
+    if aux_top_k is not None:
+        if not num_experts:
+            raise DualFlowUserError(f"--aux-top-k applies to MoE models; {source.model_type} is dense")
+        if not 1 <= aux_top_k <= num_experts:
+            raise DualFlowUserError(f"--aux-top-k must be in [1, num_experts={num_experts}], got {aux_top_k}")
+        fields["aux_num_experts_per_tok"] = aux_top_k
+    try:
+        config = DualFlowConfig(**fields)
+    except ValueError as error:
+        raise DualFlowUserError(f"{source.model_type} config cannot be expressed as a Dual-Flow config: {error}")
+    config.architectures = ["DualFlowForCausalLM"]
+    config.auto_map = dict(AUTO_MAP)
+    config.dtype = dtype or source.config_dict.get("dtype") or source.config_dict.get("torch_dtype") or "float32"
+    return config
+
+
+def conversion_command(src, out, aux_top_k, dtype_name, max_shard_size, verify) -> str:
+    """The `dualflow convert` command line equivalent to this call (recorded in the model card)."""
+    words = ["dualflow", "convert", str(src), str(out)]
+    if aux_top_k is not None:
+        words += ["--aux-top-k", str(aux_top_k)]
+    if dtype_name not in (None, "auto"):
+        words += ["--dtype", dtype_name]
+    if str(max_shard_size) != "5GB":
+        words += ["--max-shard-size", str(max_shard_size)]
+    if verify:
+        words.append("--verify")
+    return shlex.join(words)
+
+
+def _copy_passthrough_files(src_dir: Path, out_dir: Path) -> list[str]:
+    copied = []
+    for pattern in PASSTHROUGH_PATTERNS:
+        for path in sorted(src_dir.glob(pattern)):
+            if path.is_file() and not (out_dir / path.name).exists():
+                shutil.copy2(path, out_dir / path.name)
+                copied.append(path.name)
+    return copied
+
+
+def _source_license(src_dir: Path) -> str | None:
+    card = src_dir / "README.md"
+    return (metadata_load(card) or {}).get("license") if card.is_file() else None
+
+
+def _card_parity(parity: dict | None) -> dict | None:
+    """Parity figures as the model card shows them."""
+    if parity is None:
+        return None
+    aux = f"{parity['max_abs_diff_aux']:.3g}"
+    if not parity["aux_compared"]:
+        aux += " (k_a != k_p: the aux flow is meant to differ)"
+    return {**parity, "max_abs_diff_aux": aux, "max_abs_diff_primary": f"{parity['max_abs_diff_primary']:.3g}"}
+
+
+def _sibling(out: Path, purpose: str) -> Path:
+    """A fresh hidden folder name next to `out` (same filesystem, so renames are atomic)."""
+    return out.parent / f".{out.name}.{purpose}-{uuid.uuid4().hex[:12]}"
+
+
+def _publish(tmp_dir: Path, out: Path):
+    """Swap the finished folder into place; an existing OUT (with --overwrite) is only removed once it is replaced."""
+    if not out.exists():
+        tmp_dir.rename(out)
+        return
+    trash = _sibling(out, "old")
+    out.rename(trash)
+    tmp_dir.rename(out)
+    shutil.rmtree(trash)
+
+
+def convert_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    aux_top_k: int | None = None,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    verify: bool = False,
+    overwrite: bool = False,
+    show_progress: bool = True,
+) -> dict:
+    """
+    Convert the checkpoint `src` (local folder or Hub repo id) into a Dual-Flow checkpoint folder `out` whose primary
+    flow is exactly the source model (aux embedding = copy of the token embedding, couplings = 0).
+
+    aux_top_k: aux-flow expert top-k (k_a); default k_p, which makes the aux flow reproduce the source exactly.
+    dtype: "auto" / None keeps each tensor's dtype; "float32", "bfloat16", "float16" cast.
+    max_shard_size: output shard size limit ("5GB", "500MB" or bytes).
+    verify: compare source and result logits / greedy generations (see `check_parity`); a mismatch raises and
+        leaves no `out`.
+    Returns a summary dict (paths, shapes, tensor counts, and `parity` when verifying). Bad input raises
+    DualFlowUserError before anything is written; `out` appears only once it is complete.
+    """
+    out = Path(out)
+    if dtype not in DTYPES and dtype is not None:
+        raise DualFlowUserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    torch_dtype = DTYPES.get(dtype or "auto")
+    try:
+        size = str(max_shard_size)
+        max_shard_bytes = convert_file_size_to_int(int(size) if size.isdigit() else size)
+    except ValueError:
+        max_shard_bytes = 0
+    if max_shard_bytes < 1:
+        raise DualFlowUserError(f"--max-shard-size must be a positive size like 5GB, 500MB or 1000000, got {max_shard_size!r}")
+    if out.exists() and not overwrite:
+        raise DualFlowUserError(f"{out} already exists; pass --overwrite to replace it")
+
+    src_dir, base_model = resolve_source(src)
+    if out.resolve() == src_dir.resolve():
+        raise DualFlowUserError("OUT must differ from SRC")
+    source = SourceCheckpoint(src_dir)
+    config = build_config(source, aux_top_k, torch_dtype)
+    targets = plan_targets(source, family_for(source.model_type), config, torch_dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = _sibling(out, "partial")
+    tmp_dir.mkdir()
+    try:
+        summary = write_checkpoint(targets, source, tmp_dir, max_shard_bytes, show_progress)
+        config.save_pretrained(tmp_dir)
+        code_dir = Path(modeling_dualflow.__file__).parent
+        for name in CODE_FILES:
+            shutil.copy2(code_dir / name, tmp_dir / name)
+        copied = _copy_passthrough_files(src_dir, tmp_dir)
+        parity = check_parity(src_dir, tmp_dir, torch_dtype) if verify else None
+        if parity is not None and not parity["passed"]:
+            raise DualFlowUserError(f"--verify failed, nothing written to {out}: {parity['summary']}")
+        write_model_card(
+            tmp_dir,
+            config,
+            repo_id=str(out),
+            base_model=base_model,
+            license=_source_license(src_dir),
+            conversion_command=conversion_command(src, out, aux_top_k, dtype, max_shard_size, verify),
+            parity=_card_parity(parity),
+        )
+        _publish(tmp_dir, out)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return {
+        **summary,
+        "out": str(out),
+        "source": str(src_dir),
+        "model_type": source.model_type,
+        "num_experts": config.num_experts,
+        "top_k": config.num_experts_per_tok if config.num_experts else None,
+        "aux_top_k": config.aux_num_experts_per_tok if config.num_experts else None,
+        "copied_files": copied,
+        "parity": parity,
+    }

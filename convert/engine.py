@@ -1,0 +1,161 @@
+"""The streaming conversion engine: plan every output tensor from the source headers, then write shards piece by piece.
+
+Planning reads no tensor data (except the tied-embedding check): it knows each output tensor's name, shape, dtype and
+the source tensors it is made of, so every error about the source surfaces before the first byte is written. Writing
+reads one source tensor at a time and appends it to the output file at once; peak memory is about the largest single
+source tensor (usually the embedding matrix), whatever the model or shard size.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+from tqdm.auto import tqdm
+
+from dualflow.errors import DualFlowUserError
+from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
+
+from .families import Family
+from .safetensors_writer import StreamingSafetensorsWriter
+from .source import INDEX_FILE, SourceCheckpoint
+
+
+LAYER_NAME = re.compile(r"^(?P<prefix>model\.layers\.\d+\.)(?P<local>.+)$")
+EMBEDDING = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+FUSED_EXPERT_NAMES = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# Buffers some older checkpoints still carry; the model recomputes them.
+IGNORED_SOURCE_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A source tensor (or zeros, when `key` is None) making up a C-order slice of an output tensor."""
+
+    key: str | None
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+def _expert_pieces(local: str, prefix: str, family: Family, config: DualFlowConfig, shape) -> list[Piece]:
+    """Pieces of a routed-expert tensor read from the per-expert Hub layout."""
+    names, hidden, inner = family.experts, config.hidden_size, config.moe_intermediate_size
+    if local == "mlp.gate.weight":
+        return [Piece(prefix + names.router, shape)]
+    if local == "mlp.experts.gate_up_proj":  # (E, 2I, H): expert e's gate rows, then its up rows
+        return [
+            Piece(prefix + name.format(e=e), (inner, hidden))
+            for e in range(config.num_experts)
+            for name in (names.gate, names.up)
+        ]
+    return [Piece(prefix + names.down.format(e=e), (hidden, inner)) for e in range(config.num_experts)]
+
+
+def _pieces_for(name: str, shape, source: SourceCheckpoint, family: Family, config: DualFlowConfig) -> list[Piece]:
+    if name == "model.aux_embed_tokens.weight":
+        return [Piece(EMBEDDING, shape)]  # upcycling init: the aux embedding starts as a copy of the primary one
+    if name.endswith(".aux_coupling"):
+        return [Piece(None, shape)]  # upcycling init: no coupling
+    match = LAYER_NAME.match(name)
+    if match and family.experts and match["local"] in FUSED_EXPERT_NAMES:
+        fused_in_source = match["prefix"] + "mlp.experts.gate_up_proj" in source.tensors
+        if not fused_in_source:
+            return _expert_pieces(match["local"], match["prefix"], family, config, shape)
+    return [Piece(name, shape)]
+
+
+def _check_tied_embeddings(source: SourceCheckpoint, config: DualFlowConfig) -> set[str]:
+    """Source keys accounted for by the tie; errors when the config and the tensors disagree."""
+    if not config.tie_word_embeddings:
+        if LM_HEAD not in source.tensors:
+            raise DualFlowUserError(f"config.json has tie_word_embeddings=false but the checkpoint has no {LM_HEAD}")
+        return set()
+    if LM_HEAD not in source.tensors:
+        return set()
+    if not torch.equal(source.read(LM_HEAD), source.read(EMBEDDING)):
+        raise DualFlowUserError(
+            f"config.json has tie_word_embeddings=true but {LM_HEAD} differs from {EMBEDDING}; refusing to tie them"
+        )
+    return {LM_HEAD}
+
+
+def plan_targets(
+    source: SourceCheckpoint, family: Family, config: DualFlowConfig, dtype: torch.dtype | None
+) -> list[TargetTensor]:
+    """Every tensor of the Dual-Flow state dict, in the model's own order, with the source tensors it is built from."""
+    with torch.device("meta"):  # names and shapes exactly as DualFlowForCausalLM expects them, no memory
+        expected = DualFlowForCausalLM(config).state_dict()
+    if config.tie_word_embeddings:
+        expected.pop(LM_HEAD, None)
+    consumed = _check_tied_embeddings(source, config)
+    default_dtype = dtype or source.info(EMBEDDING).dtype
+    targets = []
+    for name, meta_tensor in expected.items():
+        shape = tuple(meta_tensor.shape)
+        pieces = _pieces_for(name, shape, source, family, config)
+        for piece in pieces:
+            if piece.key is None:
+                continue
+            found = source.info(piece.key).shape
+            if found != piece.shape:
+                raise DualFlowUserError(
+                    f"{piece.key} has shape {list(found)}, expected {list(piece.shape)} from config.json"
+                )
+            consumed.add(piece.key)
+        first_key = pieces[0].key
+        target_dtype = dtype or (source.info(first_key).dtype if first_key else default_dtype)
+        targets.append(TargetTensor(name, shape, target_dtype, tuple(pieces)))
+    unused = sorted(key for key in source.tensors if key not in consumed and not IGNORED_SOURCE_TENSORS.search(key))
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise DualFlowUserError(
+            f"the checkpoint has tensors a {source.model_type} model of this config does not use: "
+            f"{', '.join(unused[:3])}{more}"
+        )
+    return targets
+
+
+def write_checkpoint(
+    targets: list[TargetTensor], source: SourceCheckpoint, out_dir: Path, max_shard_size: int, show_progress: bool
+) -> dict:
+    """Write `targets` as safetensors shards (+ index when more than one) into `out_dir`; returns a summary."""
+    split = split_state_dict_into_shards_factory(
+        {target.name: target for target in targets},
+        get_storage_size=lambda target: target.nbytes,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
+    by_name = {target.name: target for target in targets}
+    with tqdm(total=len(targets), unit="tensor", desc="Converting", disable=not show_progress) as progress:
+        for filename, names in split.filename_to_tensors.items():
+            layout = [(name, by_name[name].dtype, by_name[name].shape) for name in names]
+            with StreamingSafetensorsWriter(out_dir / filename, layout, metadata={"format": "pt"}) as writer:
+                for name in names:
+                    target = by_name[name]
+                    for piece in target.pieces:
+                        data = source.read(piece.key) if piece.key else torch.zeros(piece.shape)
+                        writer.write(data.to(target.dtype))
+                        del data  # release before reading the next piece
+                    progress.update()
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return {
+        "num_tensors": len(targets),
+        "num_shards": len(split.filename_to_tensors),
+        "total_bytes": split.metadata["total_size"],
+    }
