@@ -38,6 +38,8 @@ class DualFlowConfig(PreTrainedConfig):
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.o_proj": "rowwise",
         "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "layers.*.mlp.experts.down_proj": "rowwise",
@@ -45,6 +47,19 @@ class DualFlowConfig(PreTrainedConfig):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
+    }
+    # `qk_norm="full"` (OLMoE) normalises the whole q / k projection, which a head-sharded projection cannot do:
+    # those models gather the projections' output instead, as transformers' OLMoE plan does.
+    full_qk_norm_attention_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise_gather_output",
+        "layers.*.self_attn.k_proj": "colwise_gather_output",
+        "layers.*.self_attn.v_proj": "colwise_gather_output",
+        "layers.*.self_attn.o_proj": "rowwise_split_input",
+    }
+    base_model_ep_plan = {
+        "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
+        "layers.*.mlp.experts.down_proj": "grouped_gemm",
+        "layers.*.mlp.experts": "ep_dispatch_experts",
     }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
@@ -106,6 +121,9 @@ class DualFlowConfig(PreTrainedConfig):
             self.mlp_only_layers = []
         if self.aux_num_experts_per_tok is None:
             self.aux_num_experts_per_tok = self.num_experts_per_tok
+        if self.qk_norm == "full":
+            plan = {key: style for key, style in type(self).base_model_tp_plan.items() if not key.endswith("_norm")}
+            self.base_model_tp_plan = plan | self.full_qk_norm_attention_tp_plan
         # Checked here rather than in a `validate_*` hook: @strict wraps those errors in a non-ValueError type.
         self._check_fields()
         super().__post_init__(**kwargs)
