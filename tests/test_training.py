@@ -1,0 +1,217 @@
+"""Training with transformers.Trainer: loss goes down, gradient accumulation, checkpointing, aux-only, the CLI."""
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import AutoModelForCausalLM, ByT5Tokenizer
+
+from dualflow.cli import main as cli_main
+from dualflow.finetune import make_trainer, pack_blocks, split_blocks
+
+
+# A byte-level tokenizer that needs no files: ids 3..258 are the bytes, 384 ids in all.
+BYTE_VOCAB = 384
+STDLIB = Path(inspect.__file__).parent
+
+
+def stdlib_text(*names: str, chars: int = 40_000) -> str:
+    return "".join((STDLIB / name).read_text(encoding="utf-8") for name in names)[:chars]
+
+
+def stdlib_blocks(block_size: int, chars: int = 40_000) -> torch.Tensor:
+    return pack_blocks([stdlib_text("inspect.py", "textwrap.py", chars=chars)], ByT5Tokenizer(), block_size)
+
+
+def byte_model(seed: int = 0, **overrides):
+    return tiny_model(seed=seed, random_coupling=False, vocab_size=BYTE_VOCAB, **overrides)
+
+
+def sgd_update(model, blocks, output_dir, labels=None, **trainer_options) -> tuple[dict, float]:
+    """One plain-SGD step (lr 1, no clipping) over `blocks`: returns the parameter change (= -gradient) and the loss."""
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = make_trainer(
+        model, blocks, None, output_dir, max_steps=1, learning_rate=1.0, optim="sgd", max_grad_norm=0.0,
+        disable_tqdm=True, **trainer_options,
+    )
+    if labels is not None:
+        trainer.train_dataset = [{"input_ids": i, "labels": l} for i, l in zip(blocks, labels)]
+    loss = trainer.train().training_loss
+    return {name: p.detach() - before[name] for name, p in model.named_parameters()}, loss
+
+
+def assert_same_update(update_a, update_b, atol=1e-6):
+    for name in update_a:
+        torch.testing.assert_close(update_a[name], update_b[name], rtol=1e-4, atol=atol, msg=name)
+
+
+def test_trainer_lowers_eval_loss(tmp_path):
+    train_blocks, eval_blocks = split_blocks(stdlib_blocks(block_size=32), eval_fraction=0.1)
+    trainer = make_trainer(
+        byte_model(output_router_logits=True), train_blocks, eval_blocks, tmp_path,
+        max_steps=30, learning_rate=3e-3, batch_size=8, disable_tqdm=True,
+    )
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    # Two cross-entropies over 384 ids start near 2 * ln(384) = 11.9; bytes of Python source are far from uniform.
+    assert before > 11.0
+    assert after < before - 2.0
+
+
+def test_gradient_accumulation_matches_double_batch(tmp_path):
+    blocks = stdlib_blocks(block_size=16, chars=2000)[:4]
+    # Masked labels give the two micro-batches different token counts: only num_items_in_batch weighs them right.
+    labels = blocks.clone()
+    labels[0, 4:] = -100
+    update_one, loss_one = sgd_update(byte_model(), blocks, tmp_path / "a", labels, batch_size=4)
+    update_acc, loss_acc = sgd_update(
+        byte_model(), blocks, tmp_path / "b", labels, batch_size=2, gradient_accumulation_steps=2
+    )
+    assert loss_acc == pytest.approx(loss_one, rel=1e-5)
+    assert_same_update(update_one, update_acc)
+
+
+def test_router_balance_loss_not_scaled_by_gradient_accumulation(tmp_path):
+    # With num_items_in_batch Trainer does not divide by the accumulation steps; the per-micro-batch balance loss
+    # must then be weighted by the model, so the step equals Trainer's classic "mean loss / steps" accumulation.
+    blocks = stdlib_blocks(block_size=16, chars=2000)[:4]
+    overrides = dict(output_router_logits=True, router_aux_loss_coef=1.0)
+    with_items = byte_model(**overrides)
+    classic = byte_model(**overrides)
+    classic.accepts_loss_kwargs = False  # Trainer then neither passes num_items_in_batch nor trusts its scaling
+    update_items, loss_items = sgd_update(with_items, blocks, tmp_path / "a", batch_size=2, gradient_accumulation_steps=2)
+    update_classic, loss_classic = sgd_update(classic, blocks, tmp_path / "b", batch_size=2, gradient_accumulation_steps=2)
+    assert loss_items == pytest.approx(loss_classic, rel=1e-5)
+    assert_same_update(update_items, update_classic)
+
+
+@pytest.mark.parametrize("num_experts", [4, 0], ids=["moe", "dense"])
+def test_gradient_checkpointing_matches_plain_gradients(num_experts):
+    blocks = stdlib_blocks(block_size=24, chars=3000)[:3]
+    grads = []
+    for checkpointing in (False, True):
+        model = byte_model(num_experts=num_experts, output_router_logits=True).train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model(blocks, labels=blocks).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert all(grad is not None for grad in grads[1].values())
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_aux_only_trains_only_aux_params_and_keeps_primary_logits(tmp_path):
+    model = byte_model(aux_num_experts_per_tok=4, output_router_logits=True)
+    blocks = stdlib_blocks(block_size=32, chars=8000)
+    probe = blocks[:2]
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        primary_before = model(probe).primary_logits
+
+    model.freeze_for_aux_training()
+    make_trainer(model, blocks, None, tmp_path, max_steps=5, learning_rate=1e-2, disable_tqdm=True).train()
+
+    aux_names = set(model.aux_parameter_names())
+    assert aux_names == {"model.aux_embed_tokens.weight"} | {f"model.layers.{i}.aux_coupling" for i in range(2)}
+    for name, parameter in model.named_parameters():
+        changed = not torch.equal(parameter, before[name])
+        assert changed == (name in aux_names), name
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(probe).primary_logits, primary_before)
+
+
+def test_finetuned_model_saves_and_reloads_identical_logits(tmp_path):
+    model = byte_model()
+    blocks = stdlib_blocks(32, chars=4000)
+    make_trainer(model, blocks, None, tmp_path / "work", max_steps=3, learning_rate=1e-2, disable_tqdm=True).train()
+    model.eval().save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    trained_state = model.state_dict()
+    assert all(torch.equal(tensor, trained_state[name]) for name, tensor in reloaded.state_dict().items())
+    with torch.no_grad():
+        expected, actual = model(blocks[:2]), reloaded(blocks[:2])
+    # Same bits in the weights; CPU kernels may still round differently for differently aligned (mmapped) buffers.
+    torch.testing.assert_close(actual.logits, expected.logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(actual.primary_logits, expected.primary_logits, rtol=0, atol=1e-6)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "tiny-dualflow"
+    byte_model().save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+def run_cli(*argv) -> int:
+    return cli_main(["finetune", *map(str, argv)])
+
+
+def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=6000), encoding="utf-8")
+    common = ("--block-size", 32, "--batch-size", 4, "--max-steps", 4, "--lr", 1e-2)
+
+    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "full", "--gradient-checkpointing", *common) == 0
+    output = capsys.readouterr().out
+    before = float(output.split("eval loss before: ")[1].split()[0])
+    after = float(output.split("eval loss after: ")[1].split()[0])
+    assert after < before
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "full")
+    assert (tmp_path / "full" / "README.md").is_file() and (tmp_path / "full" / "tokenizer_config.json").is_file()
+
+    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "aux", "--aux-only", *common) == 0
+    aux_only = AutoModelForCausalLM.from_pretrained(tmp_path / "aux")
+    source = AutoModelForCausalLM.from_pretrained(model_dir)
+    shared = [name for name, _ in source.named_parameters() if name not in source.aux_parameter_names()]
+    assert all(torch.equal(aux_only.get_parameter(n), source.get_parameter(n)) for n in shared)
+    assert not all(torch.equal(full.get_parameter(n), source.get_parameter(n)) for n in shared)
+
+
+def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.jsonl"
+    lines = stdlib_text("textwrap.py", chars=6000).split("\n\n")
+    data.write_text("\n".join(json.dumps({"text": chunk, "id": i}) for i, chunk in enumerate(lines)) + "\n")
+    out = tmp_path / "adapter"
+    argv = ("--data", data, "--output-dir", out, "--lora", "--bf16", "--block-size", 32, "--batch-size", 4, "--max-steps", 2)
+    assert run_cli(model_dir, *argv) == 0
+    assert "eval loss after" in capsys.readouterr().out
+    assert {"adapter_config.json", "adapter_model.safetensors", "aux_coupling.safetensors"} <= {p.name for p in out.iterdir()}
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.jsonl", '{"text": "fine"}\n{"body": "no text field"}\n', 'bad.jsonl:2 has no string "text" field'),
+        ("broken.jsonl", '{"text": "fine"}\n{"text": \n', "broken.jsonl:2 is not valid JSON"),
+        ("data.csv", "text\nhello\n", "must end in .txt"),
+        ("short.txt", "too short", "at least 2 blocks"),
+    ],
+)
+def test_finetune_cli_bad_data_is_one_line_error(model_dir, tmp_path, capsys, name, content, message):
+    data = tmp_path / name
+    data.write_text(content)
+    out = tmp_path / "out"
+    assert run_cli(model_dir, "--data", data, "--output-dir", out, "--block-size", 64) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("dualflow finetune: error: ") and message in error
+    assert not out.exists()
+
+
+def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=3000))
+    no_tokenizer = tmp_path / "no-tokenizer"
+    byte_model().save_pretrained(no_tokenizer)
+    assert run_cli(no_tokenizer, "--data", data, "--output-dir", tmp_path / "out") == 2
+    assert "no tokenizer found" in capsys.readouterr().err
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "taken") == 2
+    assert "already exists and is not empty" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
