@@ -474,7 +474,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
         hidden_states = inputs_embeds
         row_positions = position_ids
         if aux_positions is not None:
-            hidden_states = torch.cat([inputs_embeds, self.aux_embed_tokens(input_ids[:, aux_positions])], dim=1)
+            # `.to`: a device_map may put the two embedding tables on different devices.
+            aux_embeds = self.aux_embed_tokens(input_ids[:, aux_positions]).to(inputs_embeds.device)
+            hidden_states = torch.cat([inputs_embeds, aux_embeds], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
         grouped_mask, is_causal = self._grouped_attention_mask(primary_mask, num_primary, aux_positions, past_length)
         if is_causal is None and grouped_mask is not None and grouped_mask.dtype == torch.bool:
@@ -625,7 +627,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         # One LM-head call over the rows that need logits; stacking on the batch dim keeps both halves contiguous.
         primary_rows = outputs.last_hidden_state
         if keep_positions.numel() != seq_len:
-            primary_rows = primary_rows[:, keep_positions]
+            # `.to`: under a device_map the last layer may sit on another device than the inputs.
+            primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
         if use_aux_flow:
             all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
             primary_logits, logits = all_logits.split(primary_rows.shape[0], dim=0)

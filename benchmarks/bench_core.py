@@ -1,0 +1,132 @@
+"""Core Dual-Flow costs on CPU, batch 1, side by side in one run (issue 2's targets).
+
+    python benchmarks/bench_core.py [--hidden 384 --layers 6 --experts 16 --top-k 2 --aux-top-k 2 --prompt 512]
+
+Reports prefill time (dual / primary-only), decode time per token (grouped dual / primary-only / naive two-pass), and
+KV-cache bytes (dual vs the base model's cache). Measurements are interleaved (A B C A B C ...) and the median is
+reported, so background load hits every variant alike.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from dualflow.reference import two_pass_forward
+from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
+
+
+def build_model(args) -> DualFlowForCausalLM:
+    torch.manual_seed(0)
+    config = DualFlowConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 4,
+        moe_intermediate_size=args.hidden * 2 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 192),
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        aux_num_experts_per_tok=args.aux_top_k,
+        max_position_embeddings=4096,
+    )
+    model = DualFlowForCausalLM(config).eval()
+    model.init_aux_from_primary()
+    return model
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def measure(model, args) -> dict:
+    prompt = torch.randint(0, args.vocab, (1, args.prompt))
+
+    def prefill(use_aux_flow):
+        return lambda: model(prompt, use_cache=True, logits_to_keep=1, use_aux_flow=use_aux_flow)
+
+    def decode_steps(step):
+        cache = DualFlowCache(config=model.config)
+        model(prompt[:, : args.decode_context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tokens = torch.randint(0, args.vocab, (1, args.decode_tokens))
+
+        def run():
+            for index in range(args.decode_tokens):
+                step(tokens[:, index : index + 1], cache)
+            cache.crop(-args.decode_tokens)
+
+        return run
+
+    def grouped_step(token, cache):
+        model(token, past_key_values=cache, use_cache=True)
+
+    def primary_step(token, cache):
+        model(token, past_key_values=cache, use_cache=True, use_aux_flow=False)
+
+    def naive_step(token, cache):
+        position = torch.tensor([[cache.get_seq_length()]])
+        two_pass_forward(model, token, cache, position_ids=position)
+
+    variants = {
+        "prefill_primary": prefill(False),
+        "prefill_dual": prefill(True),
+        "decode_primary": decode_steps(primary_step),
+        "decode_dual_grouped": decode_steps(grouped_step),
+        "decode_naive_two_pass": decode_steps(naive_step),
+    }
+    for fn in variants.values():  # warm-up
+        fn()
+    samples = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            samples[name].append(timed(fn))
+    result = {name: statistics.median(values) for name, values in samples.items()}
+    for name in ("decode_primary", "decode_dual_grouped", "decode_naive_two_pass"):
+        result[name] /= args.decode_tokens
+
+    dual_cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
+    base_cache = model(prompt, use_cache=True, logits_to_keep=1, use_aux_flow=False, past_key_values=DynamicCache())
+    result["kv_bytes_dual"] = dual_cache.nbytes()
+    result["kv_bytes_base"] = sum(layer.keys.nbytes + layer.values.nbytes for layer in base_cache.past_key_values.layers)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--aux-top-k", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--decode-context", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    model = build_model(args)
+    r = measure(model, args)
+    rows = [
+        ("prefill %d tokens" % args.prompt, r["prefill_primary"], r["prefill_dual"], None),
+        ("decode, per token", r["decode_primary"], r["decode_dual_grouped"], r["decode_naive_two_pass"]),
+    ]
+    print(
+        f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, k_p={args.top_k}, "
+        f"k_a={args.aux_top_k}, vocab {args.vocab}; batch 1; torch threads {torch.get_num_threads()}"
+    )
+    print(f"{'':22}{'primary-only':>14}{'dual grouped':>14}{'ratio':>8}{'naive 2-pass':>14}{'ratio':>8}")
+    for label, primary, dual, naive in rows:
+        naive_cells = f"{naive * 1e3:>12.2f}ms{naive / primary:>8.2f}" if naive else f"{'-':>14}{'-':>8}"
+        print(f"{label:22}{primary * 1e3:>12.2f}ms{dual * 1e3:>12.2f}ms{dual / primary:>8.2f}{naive_cells}")
+    print(f"{'KV cache bytes':22}{r['kv_bytes_base']:>14}{r['kv_bytes_dual']:>14}{r['kv_bytes_dual'] / r['kv_bytes_base']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
