@@ -235,6 +235,16 @@ class TestGenerate:
         model.config.aux_num_experts_per_tok = 4
         assert model.generate(prompt, max_new_tokens=5, do_sample=False).tolist() == per_call.tolist()
 
+    def test_speculative_decoding_matches_greedy(self):
+        # candidates are verified with the aux flow on every candidate token, then the cache is cropped
+        model = tiny_model(aux_num_experts_per_tok=3)
+        prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
+        greedy = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        lookup = model.generate(prompt, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+        assistant = tiny_model(seed=3, random_coupling=False)
+        assisted = model.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=assistant)
+        assert greedy.tolist() == lookup.tolist() == assisted.tolist()
+
     def test_generate_uses_dualflow_cache_and_beam_search_runs(self):
         model = tiny_model()
         prompt = torch.randint(0, 97, (2, 4))
