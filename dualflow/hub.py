@@ -1,0 +1,138 @@
+"""
+Share Dual-Flow checkpoints on the Hugging Face Hub (`dualflow push`).
+
+A shared model folder must load anywhere with `trust_remote_code=True`: config.json with `auto_map`, the three code
+files, the weights and a model card. `model.push_to_hub(...)` uploads the first three (save_pretrained writes them)
+but a generic card; `push_model` / `prepare_upload_folder` add the Dual-Flow card from `model_cards/`.
+"""
+
+import json
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import HfApi, get_token
+
+from modeling_dualflow import DualFlowConfig
+
+from .errors import DualFlowUserError
+from .lora import AUX_COUPLING_FILE
+from .model_card import write_model_card
+
+
+CODE_FILES = ("configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py")
+AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", AUX_COUPLING_FILE)
+
+
+def check_upload_folder(folder) -> str:
+    """Raise a DualFlowUserError naming the first thing a shared folder lacks; return "model" or "adapter"."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DualFlowUserError(f"{folder} is not a folder")
+    if (folder / "adapter_config.json").is_file():  # a `dualflow finetune --lora` output
+        missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
+        if missing:
+            raise DualFlowUserError(f"adapter folder {folder} lacks {', '.join(missing)}: save it with dualflow.lora.save_lora")
+        return "adapter"
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise DualFlowUserError(f"{folder} has no config.json: save the model there with save_pretrained first")
+    config = json.loads(config_path.read_text())
+    if config.get("model_type") != "dualflow":
+        raise DualFlowUserError(f"{config_path} is a {config.get('model_type')!r} model, not a Dual-Flow one")
+    missing = [name for name in AUTO_CLASSES if name not in (config.get("auto_map") or {})]
+    if missing:
+        raise DualFlowUserError(
+            f"{config_path} auto_map lacks {', '.join(missing)}: save the model with the dualflow package imported"
+        )
+    missing = [name for name in CODE_FILES if not (folder / name).is_file()]
+    if missing:
+        raise DualFlowUserError(f"{folder} lacks the code files {', '.join(missing)}: save the model with save_pretrained")
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise DualFlowUserError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)})")
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            raise DualFlowUserError(f"{folder} lacks weight shards listed in its index: {', '.join(missing)}")
+    return "model"
+
+
+def ensure_model_card(folder, repo_id: str) -> bool:
+    """Write the Dual-Flow model card into a model folder that has no README.md; True when one was written."""
+    if (Path(folder) / "README.md").is_file():
+        return False
+    write_model_card(folder, DualFlowConfig.from_pretrained(folder), repo_id=repo_id)
+    return True
+
+
+def hub_token(token: str | None = None) -> str:
+    """The token to upload with; checked before any network call."""
+    token = token or get_token()
+    if not token:
+        raise DualFlowUserError("no Hugging Face token: run `hf auth login`, set HF_TOKEN or pass --token")
+    return token
+
+
+def push_folder(folder, repo_id: str, private: bool = False, token: str | None = None, commit_message: str | None = None) -> str:
+    """Check `folder`, add the card if missing, create `repo_id` (if needed) and upload the folder; returns its URL."""
+    kind = check_upload_folder(folder)
+    token = hub_token(token)
+    if kind == "model" and ensure_model_card(folder, repo_id):
+        print(f"wrote a model card to {Path(folder) / 'README.md'}")
+    api = HfApi(token=token)
+    try:
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(
+            repo_id=repo_url.repo_id,
+            folder_path=folder,
+            commit_message=commit_message or f"Upload Dual-Flow {kind}",
+        )
+    except OSError as error:  # HTTP errors and offline mode both derive from it
+        raise DualFlowUserError(f"upload to {repo_id} failed: {str(error).splitlines()[0]}") from None
+    return str(repo_url)
+
+
+def prepare_upload_folder(model, folder, tokenizer=None, **card_kwargs) -> Path:
+    """
+    Write exactly what should be shared into `folder`: config with auto_map, code files and weights (save_pretrained
+    of a DualFlowForCausalLM), the tokenizer if given, and the Dual-Flow card (`card_kwargs` go to
+    `dualflow.model_card.render_model_card`, e.g. repo_id, base_model, license).
+    """
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    write_model_card(folder, model.config, **card_kwargs)
+    check_upload_folder(folder)
+    return folder
+
+
+def push_model(model, repo_id: str, tokenizer=None, private: bool = False, token: str | None = None, **card_kwargs) -> str:
+    """`model.push_to_hub` with the Dual-Flow card: prepare the folder in a temporary directory and upload it."""
+    token = hub_token(token)
+    with tempfile.TemporaryDirectory(prefix="dualflow-push-") as folder:
+        prepare_upload_folder(model, folder, tokenizer, repo_id=repo_id, **card_kwargs)
+        return push_folder(folder, repo_id, private=private, token=token)
+
+
+def register(subparsers):
+    parser = subparsers.add_parser(
+        "push",
+        help="upload a Dual-Flow model (or LoRA adapter) folder to the Hugging Face Hub",
+        description="Check the folder (config auto_map, code files, weights), add a model card if missing, upload.",
+    )
+    parser.add_argument("folder", help="folder written by save_pretrained / dualflow convert / dualflow finetune")
+    parser.add_argument("repo_id", help="Hub repository, e.g. your-name/model-dualflow")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the `hf auth login` token)")
+    parser.add_argument("--commit-message", help="commit message (default: 'Upload Dual-Flow model')")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    url = push_folder(args.folder, args.repo_id, private=args.private, token=args.token, commit_message=args.commit_message)
+    print(f"uploaded {args.folder} to {url}")
+    return 0
