@@ -3,6 +3,7 @@
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -49,15 +50,14 @@ class TensorInfo:
 
 class SourceCheckpoint:
     """
-    Parses `config.json` with transformers' own config class, checks every shard's header up front (missing,
-    truncated or inconsistent files fail before anything is written), then reads tensors lazily one by one.
+    Parses `config.json` with transformers' own config class, checks every shard's header before any tensor is read
+    (missing, truncated or inconsistent files fail before anything is written), then reads tensors one by one.
     """
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.config_dict = self._read_config_json()
         self.model_type = self.config_dict.get("model_type")
-        self.tensors = self._scan_tensors()
 
     def _read_config_json(self) -> dict:
         config_path = self.folder / "config.json"
@@ -78,10 +78,12 @@ class SourceCheckpoint:
         try:
             return CONFIG_MAPPING[self.model_type].from_dict(self.config_dict)
         except Exception as error:  # strict dataclass validation raises several types; all mean a bad config.json
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            message = " ".join(line.strip() for line in str(error).splitlines()) or type(error).__name__
             raise DualFlowUserError(f"invalid {self.folder / 'config.json'}: {message}")
 
-    def _scan_tensors(self) -> dict[str, TensorInfo]:
+    @cached_property
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Name -> file, shape, dtype of every tensor, from the shard headers (scanned on first use)."""
         index_path = self.folder / INDEX_FILE
         if index_path.is_file():
             try:

@@ -408,7 +408,10 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 )
 
     def _grouped_attention_mask(self, primary_mask, num_primary, aux_positions, past_length):
-        """Mask and is_causal flag for the stacked query rows: an aux row reuses its position's primary mask row."""
+        """
+        Mask and is_causal flag for the stacked query rows: an aux row reuses its position's primary mask row. Only
+        sdpa ever skips the primary mask (eager always gets a float mask), so a mask built here is boolean.
+        """
         if aux_positions is None:
             return primary_mask, None
         if primary_mask is not None:
@@ -479,11 +482,6 @@ class DualFlowModel(DualFlowPreTrainedModel):
             hidden_states = torch.cat([inputs_embeds, aux_embeds], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
         grouped_mask, is_causal = self._grouped_attention_mask(primary_mask, num_primary, aux_positions, past_length)
-        if is_causal is None and grouped_mask is not None and grouped_mask.dtype == torch.bool:
-            if self.config._attn_implementation == "eager":
-                grouped_mask = torch.zeros(grouped_mask.shape, dtype=inputs_embeds.dtype, device=grouped_mask.device).masked_fill(
-                    ~grouped_mask, torch.finfo(inputs_embeds.dtype).min
-                )
         position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
