@@ -61,6 +61,13 @@ class DualFlowConfig(PreTrainedConfig):
         "layers.*.mlp.experts.down_proj": "grouped_gemm",
         "layers.*.mlp.experts": "ep_dispatch_experts",
     }
+    # transformers' default FSDP2 plan plus the aux embedding, a full vocabulary table that gets its own unit.
+    base_model_fsdp_plan = {
+        "embed_tokens": "free_full_weight",
+        "aux_embed_tokens": "free_full_weight",
+        "layers.*": "free_full_weight",
+        "norm": "keep_full_weight",
+    }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),

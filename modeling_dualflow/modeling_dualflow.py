@@ -522,6 +522,7 @@ def aux_positions_for(logits_to_keep: int | torch.Tensor, seq_len: int, device: 
 class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
+    _fsdp_plan = {"lm_head": "keep_full_weight"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: DualFlowConfig):
