@@ -1,0 +1,356 @@
+"""`dualflow convert`: every supported family, both Hub layouts, bad inputs, and the streaming memory bound."""
+
+import contextlib
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from dualflow.cli import main as dualflow_main
+from dualflow.convert import SUPPORTED_MODEL_TYPES, convert_checkpoint
+from dualflow.convert.verify import check_parity
+from modeling_dualflow import DualFlowForCausalLM
+
+
+SHAPE = dict(
+    vocab_size=101,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+EXPERTS = dict(num_experts_per_tok=2, router_aux_loss_coef=0.01)
+# One tiny model per family, each switching on what its family can do that the others cannot.
+FAMILIES = {
+    "mixtral": (MixtralForCausalLM, MixtralConfig(**SHAPE, **EXPERTS, intermediate_size=24, num_local_experts=4)),
+    "qwen2_moe": (
+        Qwen2MoeForCausalLM,
+        Qwen2MoeConfig(
+            **SHAPE, **EXPERTS, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
+            shared_expert_intermediate_size=36, mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig(
+            **SHAPE, **EXPERTS, head_dim=12, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
+            norm_topk_prob=True, decoder_sparse_step=2,
+        ),
+    ),
+    "olmoe": (OlmoeForCausalLM, OlmoeConfig(**SHAPE, **EXPERTS, intermediate_size=24, num_experts=4, clip_qkv=0.08)),
+    "llama": (LlamaForCausalLM, LlamaConfig(**SHAPE, intermediate_size=40, attention_bias=True, tie_word_embeddings=True)),
+    "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, intermediate_size=40, sliding_window=5)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, intermediate_size=40, tie_word_embeddings=True)),
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(
+            **SHAPE, head_dim=12, intermediate_size=40, use_sliding_window=True, sliding_window=6, max_window_layers=0,
+        ),
+    ),
+}
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+PROMPT = torch.randint(0, SHAPE["vocab_size"], (2, 14), generator=torch.Generator().manual_seed(1))
+TOLERANCE = 1e-4
+
+
+def make_source(family: str, seed: int = 0, **overrides):
+    """A random fp32 source model built with transformers' own class."""
+    model_class, config = FAMILIES[family]
+    config = type(config).from_dict({**config.to_dict(), **overrides})
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def save_source(model, folder: Path, layout: str) -> Path:
+    """Save as transformers does: one file, several shards (index), or the fused in-memory layout."""
+    if layout == "single":
+        model.save_pretrained(folder)
+    elif layout == "sharded":
+        model.save_pretrained(folder, max_shard_size="40KB")
+    else:
+        model.save_pretrained(folder, save_original_format=False, max_shard_size="40KB")
+    return folder
+
+
+@torch.no_grad()
+def assert_parity(source, out_dir: Path, aux_matches: bool = True):
+    """DESIGN §7.2: logits at every position within 1e-4 (aux on and off), identical greedy generations."""
+    converted = DualFlowForCausalLM.from_pretrained(out_dir).eval()
+    reference = source(PROMPT).logits
+    primary = converted(PROMPT, use_aux_flow=False).logits
+    aux = converted(PROMPT, use_aux_flow=True).logits
+    assert (primary - reference).abs().max() <= TOLERANCE
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = source.generate(PROMPT, **greedy)
+    assert torch.equal(converted.generate(PROMPT, use_aux_flow=False, **greedy), expected)
+    if aux_matches:
+        assert (aux - reference).abs().max() <= TOLERANCE
+        assert torch.equal(converted.generate(PROMPT, **greedy), expected)
+    return converted, reference, aux
+
+
+def run_cli(*args) -> tuple[int, str]:
+    """Run `dualflow ...` in-process; returns (exit code, stderr)."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = dualflow_main([str(arg) for arg in args])
+    return code, stderr.getvalue()
+
+
+def test_every_supported_family_is_covered():
+    assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_conversion_parity(family, tmp_path):
+    source = make_source(family)
+    layouts = ["single", "sharded"] + (["fused"] if family in MOE_FAMILIES else [])
+    for layout in layouts:
+        src = save_source(source, tmp_path / f"src-{layout}", layout)
+        out = tmp_path / f"out-{layout}"
+        # Sharded input also gets sharded output; the single file stays a single file.
+        summary = convert_checkpoint(
+            src, out, max_shard_size="30KB" if layout != "single" else "5GB", show_progress=False
+        )
+        assert (summary["num_shards"] > 1) == (layout != "single")
+        assert (out / "model.safetensors.index.json").is_file() == (layout != "single")
+        converted, _, _ = assert_parity(source, out)
+        config = converted.config
+        assert config.architectures == ["DualFlowForCausalLM"]
+        assert config.aux_num_experts_per_tok == config.num_experts_per_tok
+        # upcycling init: aux embedding = copy of the token embedding, no coupling
+        assert torch.equal(converted.model.aux_embed_tokens.weight, source.model.embed_tokens.weight)
+        assert all(not layer.aux_coupling.any() for layer in converted.model.layers)
+
+
+def test_converted_layout_and_config(tmp_path):
+    source = make_source("qwen2_moe")
+    src = save_source(source, tmp_path / "src", "single")
+    (src / "tokenizer.json").write_text("{}")
+    (src / "README.md").write_text("---\nlicense: apache-2.0\n---\n# source\n")
+    convert_checkpoint(src, tmp_path / "out", show_progress=False)
+    out = tmp_path / "out"
+    with safe_open(out / "model.safetensors", framework="pt") as handle:
+        shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 48, 32)  # (E, 2I, H)
+    assert shapes["model.layers.0.mlp.experts.down_proj"] == (4, 32, 24)  # (E, H, I)
+    assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, 32)
+    assert shapes["model.layers.1.mlp.gate_proj.weight"] == (40, 32)  # mlp_only_layers=[1] stays dense
+    assert shapes["model.layers.2.aux_coupling"] == (32,)
+    assert "model.layers.0.self_attn.o_proj.bias" not in shapes and "model.layers.0.self_attn.q_proj.bias" in shapes
+    # gate rows first, then up rows, per expert
+    gate_up = DualFlowForCausalLM.from_pretrained(out).model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(gate_up[2, :24], source.model.layers[0].mlp.experts.gate_up_proj[2, :24])
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_dualflow.DualFlowConfig",
+        "AutoModel": "modeling_dualflow.DualFlowModel",
+        "AutoModelForCausalLM": "modeling_dualflow.DualFlowForCausalLM",
+    }
+    assert (config["qkv_bias"], config["attention_bias"], config["mlp_only_layers"]) == (True, False, [1])
+    files = set(os.listdir(out))
+    assert {"configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py"} <= files
+    assert {"tokenizer.json", "generation_config.json", "README.md"} <= files
+    card = (out / "README.md").read_text()
+    assert "license: apache-2.0" in card and "dual-flow" in card and f"dualflow convert {src}" in card
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]  # no temporary leftovers
+
+
+def test_larger_aux_top_k_loads_and_runs(tmp_path):
+    source = make_source("mixtral")
+    src = save_source(source, tmp_path / "src", "sharded")
+    convert_checkpoint(src, tmp_path / "out", aux_top_k=4, show_progress=False)
+    converted, reference, aux = assert_parity(source, tmp_path / "out", aux_matches=False)
+    assert converted.config.aux_num_experts_per_tok == 4
+    assert (aux - reference).abs().max() > 1e-3  # the aux flow really uses 4 experts, the primary still 2
+
+
+def test_verify_flag_and_remote_code_load_in_fresh_process(tmp_path):
+    source = make_source("olmoe")
+    src = save_source(source, tmp_path / "src", "sharded")
+    out = tmp_path / "out"
+    code, stderr = run_cli("convert", src, out, "--verify", "--dtype", "float32")
+    assert code == 0, stderr
+    card = (out / "README.md").read_text()
+    assert "OlmoeForCausalLM" in card and "greedy generations identical | True" in card
+    expected = source(PROMPT).logits
+    torch.save(expected, tmp_path / "expected.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["modeling_dualflow"] = None  # the package must not be importable here
+        import torch
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        logits = model(torch.tensor({PROMPT.tolist()})).logits
+        print((logits - torch.load({str(tmp_path / "expected.pt")!r})).abs().max().item())
+        """
+    )
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) <= TOLERANCE
+
+
+def test_verify_detects_a_mismatch(tmp_path):
+    src = save_source(make_source("qwen3", seed=0), tmp_path / "src", "single")
+    other = save_source(make_source("qwen3", seed=1), tmp_path / "other", "single")
+    convert_checkpoint(other, tmp_path / "converted-other", show_progress=False)
+    parity = check_parity(src, tmp_path / "converted-other")
+    assert not parity["passed"] and parity["max_abs_diff_primary"] > TOLERANCE
+
+
+# ---- bad inputs: one-line error, exit status 2, no OUT and no temporary folder left behind
+
+
+def _write_config(folder: Path, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(text)
+    return folder
+
+
+def _edit_json(path: Path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _bad_sources(tmp_path: Path) -> dict:
+    """name -> (source folder, extra CLI args, text the error must contain)."""
+    cases = {}
+    empty = tmp_path / "empty"
+    empty.mkdir(parents=True)
+    cases["missing config"] = (empty, [], "has no config.json")
+    cases["invalid json"] = (_write_config(tmp_path / "badjson", "{not json"), [], "not valid JSON")
+    cases["invalid config"] = (
+        _write_config(tmp_path / "badconfig", json.dumps({"model_type": "llama", "hidden_size": "big"})),
+        [],
+        "Field 'hidden_size' expected int, got str",
+    )
+    cases["deepseek"] = (_write_config(tmp_path / "dsv3", '{"model_type": "deepseek_v3"}'), [], "'deepseek_v3' is not supported")
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    cases["gpt2"] = (tmp_path / "gpt2", [], "'gpt2' is not supported; supported: mixtral, qwen2_moe")
+
+    mixtral = make_source("mixtral")
+    missing_shard = save_source(mixtral, tmp_path / "missing_shard", "sharded")
+    second_shard = sorted(missing_shard.glob("model-*.safetensors"))[1]
+    second_shard.unlink()
+    cases["missing shard"] = (missing_shard, [], f"missing shard {second_shard.name}")
+    truncated = save_source(mixtral, tmp_path / "truncated", "sharded")
+    shard = truncated / second_shard.name
+    shard.write_bytes(shard.read_bytes()[:-100])
+    cases["truncated shard"] = (truncated, [], "unreadable or truncated")
+    unindexed = save_source(mixtral, tmp_path / "unindexed", "sharded")
+    _edit_json(unindexed / "model.safetensors.index.json", lambda d: d["weight_map"].pop("model.layers.2.self_attn.k_proj.weight"))
+    cases["key missing from index"] = (unindexed, [], "model.layers.2.self_attn.k_proj.weight is missing from model.safetensors.index.json")
+
+    moe = save_source(mixtral, tmp_path / "moe", "single")
+    cases["aux top-k 0"] = (moe, ["--aux-top-k", "0"], "--aux-top-k must be in [1, num_experts=4], got 0")
+    cases["aux top-k 5"] = (moe, ["--aux-top-k", "5"], "got 5")
+    dense = save_source(make_source("llama"), tmp_path / "dense", "single")
+    cases["aux top-k dense"] = (dense, ["--aux-top-k", "2"], "llama is dense")
+    retied = save_source(make_source("mistral"), tmp_path / "retied", "single")
+    _edit_json(retied / "config.json", lambda d: d.update(tie_word_embeddings=True))
+    cases["tie mismatch"] = (retied, [], "lm_head.weight differs from model.embed_tokens.weight")
+    untied = save_source(make_source("llama"), tmp_path / "untied", "single")
+    _edit_json(untied / "config.json", lambda d: d.update(tie_word_embeddings=False))
+    cases["lm_head missing"] = (untied, [], "no lm_head.weight")
+    cases["bad shard size"] = (moe, ["--max-shard-size", "lots"], "--max-shard-size")
+    return cases
+
+
+def test_bad_inputs_give_one_line_errors_and_no_output(tmp_path):
+    out_parent = tmp_path / "outputs"
+    out_parent.mkdir()
+    for name, (src, extra, message) in _bad_sources(tmp_path / "sources").items():
+        out = out_parent / name.replace(" ", "-")
+        code, stderr = run_cli("convert", src, out, *extra)
+        assert code == 2, (name, stderr)
+        assert message in stderr, (name, stderr)
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, (name, stderr)
+        assert not out.exists(), name
+    assert os.listdir(out_parent) == []  # no temporary sibling left behind either
+
+
+def test_existing_out_needs_overwrite(tmp_path):
+    src = save_source(make_source("qwen2"), tmp_path / "src", "single")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    code, stderr = run_cli("convert", src, out)
+    assert code == 2 and "already exists; pass --overwrite" in stderr
+    assert (out / "keep.txt").read_text() == "user data"
+    code, stderr = run_cli("convert", src, out, "--overwrite")
+    assert code == 0, stderr
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+# ---- memory: conversion streams, so peak RSS tracks the largest source tensor, not the checkpoint
+
+PEAK_RSS_SCRIPT = """
+import resource, sys
+from dualflow.convert import convert_checkpoint
+if len(sys.argv) > 1:
+    convert_checkpoint(sys.argv[1], sys.argv[2], max_shard_size="40MB", show_progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+"""
+
+
+def _peak_rss_bytes(*args) -> int:
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS_SCRIPT, *map(str, args)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return int(result.stdout.strip().splitlines()[-1])
+
+
+def test_peak_memory_stays_near_largest_tensor(tmp_path):
+    config = MixtralConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, num_local_experts=8,
+    )
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "src", max_shard_size="20MB")
+    checkpoint_bytes = sum(path.stat().st_size for path in (tmp_path / "src").glob("*.safetensors"))
+    largest_tensor_bytes = config.vocab_size * config.hidden_size * 4  # the embedding / LM head
+    # Claimed bound (docs/convert.md): above the bare interpreter, 2 x the largest source tensor + 32 MB.
+    bound = 2 * largest_tensor_bytes + 32 * 2**20
+    assert checkpoint_bytes > 4 * bound
+
+    baseline = _peak_rss_bytes()
+    peak = _peak_rss_bytes(tmp_path / "src", tmp_path / "out")
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
+    assert peak - baseline < bound, f"conversion used {(peak - baseline) / 2**20:.0f} MiB over the interpreter"
