@@ -1,0 +1,74 @@
+"""
+Load saved Dual-Flow checkpoints sharded with tensor / expert parallelism and compare them with the unsharded model.
+
+Launched by tests/test_distributed.py as
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/tp_logits.py CASES.json OUT.json
+
+CASES.json lists {"name", "path", "parallel": "tp" | "ep", "remote": bool, "experts_implementation": str | null}.
+Every rank loads each checkpoint twice: unsharded, and with `DistributedConfig` (`tp_plan="auto"`, or
+`tp_size=2, ep_size=2`), through the package's class or the remote-code class saved next to the weights. Rank 0
+writes, per case, the largest logit differences, whether greedy generations agree, and what each rank holds locally.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers.distributed import DistributedConfig
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from modeling_dualflow import DualFlowForCausalLM
+
+
+def model_class(path, remote: bool):
+    if remote:
+        return get_class_from_dynamic_module("modeling_dualflow.DualFlowForCausalLM", path)
+    return DualFlowForCausalLM
+
+
+def local_rows(parameter) -> int:
+    return (parameter.to_local() if isinstance(parameter, DTensor) else parameter).shape[0]
+
+
+def compare(case: dict) -> dict:
+    cls = model_class(case["path"], case["remote"])
+    extra = {"experts_implementation": case["experts_implementation"]} if case.get("experts_implementation") else {}
+    parallel = DistributedConfig(tp_plan="auto") if case["parallel"] == "tp" else DistributedConfig(tp_size=2, ep_size=2)
+    reference = cls.from_pretrained(case["path"], **extra).eval()
+    sharded = cls.from_pretrained(case["path"], distributed_config=parallel, **extra).eval()
+
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, reference.config.vocab_size, (2, 9), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0  # left padding
+    with torch.no_grad():
+        expected, actual = reference(input_ids, attention_mask=attention_mask), sharded(input_ids, attention_mask=attention_mask)
+    generate = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
+    layer = sharded.model.layers[-1]
+    return {
+        "module": type(sharded).__module__,
+        "logits_max_diff": (expected.logits - actual.logits).abs().max().item(),
+        "primary_logits_max_diff": (expected.primary_logits - actual.primary_logits).abs().max().item(),
+        "same_greedy_tokens": torch.equal(reference.generate(input_ids, **generate), sharded.generate(input_ids, **generate)),
+        "local_q_proj_rows": local_rows(layer.self_attn.q_proj.weight),
+        "full_q_proj_rows": layer.self_attn.q_proj.weight.shape[0],
+        "local_experts": local_rows(layer.mlp.experts.gate_up_proj) if hasattr(layer.mlp, "experts") else None,
+        "aux_embedding_sharded": isinstance(sharded.model.aux_embed_tokens.weight, DTensor),
+        "aux_coupling_sharded": isinstance(layer.aux_coupling, DTensor),
+    }
+
+
+def main():
+    cases_json, output_json = sys.argv[1:]
+    results = {case["name"]: compare(case) for case in json.loads(Path(cases_json).read_text())}
+    if dist.get_rank() == 0:
+        Path(output_json).write_text(json.dumps(results, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""
+Beyond one device: accelerate placement with CPU/disk offload (in process), transformers' parallel plans, FSDP2
+training and tensor / expert parallel inference under torchrun with gloo on CPU (marked `multiprocess`).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+from modeling_dualflow import DualFlowCache, DualFlowForCausalLM
+
+
+SCRIPTS = Path(__file__).parent / "distributed"
+# Each torchrun process gets one thread: the CI machine has 2 cores for 2 processes.
+SUBPROCESS_ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def left_padded_prompts(vocab_size: int = 97):
+    input_ids = torch.randint(1, vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    return input_ids, attention_mask
+
+
+def parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def assert_same_predictions(reference, model, input_ids, attention_mask):
+    """Same logits (both flows) on a padded batch, same greedy tokens with the aux flow on and off, same cache."""
+    with torch.no_grad():
+        expected = reference(input_ids, attention_mask=attention_mask)
+        actual = model(input_ids, attention_mask=attention_mask)
+    torch.testing.assert_close(actual.logits, expected.logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(actual.primary_logits, expected.primary_logits, rtol=0, atol=1e-5)
+    for use_aux_flow in (True, False):
+        options = dict(attention_mask=attention_mask, max_new_tokens=6, do_sample=False, use_aux_flow=use_aux_flow)
+        expected_run = reference.generate(input_ids, return_dict_in_generate=True, **options)
+        actual_run = model.generate(input_ids, return_dict_in_generate=True, **options)
+        assert torch.equal(actual_run.sequences, expected_run.sequences), use_aux_flow
+        assert type(actual_run.past_key_values).__name__ == DualFlowCache.__name__  # remote code has its own class
+        assert actual_run.past_key_values.nbytes() == expected_run.past_key_values.nbytes()
+
+
+# Explicit placement with the aux flow's own weights offloaded while the primary embedding stays in memory.
+AUX_ON_DISK = {
+    "model.embed_tokens": "cpu",
+    "model.aux_embed_tokens": "disk",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "disk",
+    "model.layers.1": "cpu",
+    "model.layers.2": "disk",
+    "model.layers.3": "cpu",
+    "model.norm": "cpu",
+    "lm_head": "disk",
+}
+
+
+@pytest.mark.parametrize("placement", ["auto", "aux_on_disk"])
+@pytest.mark.parametrize("remote_code", [False, True], ids=["package", "remote_code"])
+def test_device_map_offload_matches_unsplit_model(tmp_path, placement, remote_code):
+    reference = tiny_model(num_hidden_layers=4, qk_norm="per_head", aux_num_experts_per_tok=3)
+    reference.save_pretrained(tmp_path / "ckpt")
+    # The remote-code class is the one `AutoModelForCausalLM(..., trust_remote_code=True)` loads from the folder.
+    cls = DualFlowForCausalLM
+    if remote_code:
+        cls = get_class_from_dynamic_module("modeling_dualflow.DualFlowForCausalLM", str(tmp_path / "ckpt"))
+        assert cls.__module__.startswith("transformers_modules")
+    if placement == "auto":
+        # Room in memory for about 80% of the weights: the embeddings and the first layers stay, the rest go to disk.
+        device_map, max_memory = "auto", {"cpu": int(0.8 * parameter_bytes(reference)), "disk": 10**9}
+    else:
+        device_map, max_memory = AUX_ON_DISK, None
+    model = cls.from_pretrained(
+        tmp_path / "ckpt", device_map=device_map, max_memory=max_memory, offload_folder=tmp_path / "offload"
+    ).eval()
+
+    layer_devices = {name: device for name, device in model.hf_device_map.items() if name.startswith("model.layers.")}
+    assert set(layer_devices.values()) == {"cpu", "disk"}, model.hf_device_map  # split inside the decoder stack
+    for name, device in model.hf_device_map.items():  # offloaded weights are not held in memory
+        held = {parameter.device.type for parameter in model.get_submodule(name).parameters()}
+        assert held <= ({"meta"} if device == "disk" else {"cpu"}), (name, held)
+    assert_same_predictions(reference, model, *left_padded_prompts())
+
+
+def test_parallel_plans_name_real_modules():
+    """Every TP / EP / FSDP / PP rule names a module or parameter of a model that has every optional part."""
+    model = tiny_model(qk_norm="per_head", shared_expert_intermediate_size=16, mlp_only_layers=[0])
+    names = {replace_layer_number_by_wildcard(name) for name, _ in model.named_modules()}
+    names |= {replace_layer_number_by_wildcard(name) for name, _ in model.named_parameters()}
+    config = model.config
+    for plan in (config.base_model_tp_plan, config.base_model_ep_plan, config.base_model_fsdp_plan, config.base_model_pp_plan):
+        assert {f"model.{key}" for key in plan} <= names, plan.keys() - {name[len("model.") :] for name in names}
+    for plan in (model._tp_plan, model._fsdp_plan, model._pp_plan):
+        assert plan.keys() <= names
+
+
+def test_full_qk_norm_gathers_attention_projections():
+    """OLMoE's norm spans the whole q / k projection: its plan must not leave a projection's output head-sharded."""
+    plan = tiny_model(qk_norm="full").config.base_model_tp_plan
+    attention = {key.rsplit(".", 1)[-1]: style for key, style in plan.items() if ".self_attn." in key}
+    assert attention == {
+        "q_proj": "colwise_gather_output",
+        "k_proj": "colwise_gather_output",
+        "v_proj": "colwise_gather_output",
+        "o_proj": "rowwise_split_input",
+    }
+    assert tiny_model(qk_norm="per_head").config.base_model_tp_plan["layers.*.self_attn.q_proj"] == "colwise"
+
+
+def torchrun(script: Path, *args, nproc: int = 2, env=None, timeout: int = 300):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    result = subprocess.run(
+        [*command, *map(str, args)], env=env or SUBPROCESS_ENV, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+@pytest.mark.multiprocess
+def test_fsdp_training_matches_single_process(tmp_path):
+    """2 processes with FSDP2 (half the weights each) reach the losses of 1 process on the same global batch."""
+    tiny_model(vocab_size=384, aux_num_experts_per_tok=3).save_pretrained(tmp_path / "ckpt")
+    # ACCELERATE_USE_CPU: without it accelerate sees no CPU process group and every rank would read the same rows.
+    env = dict(SUBPROCESS_ENV, ACCELERATE_USE_CPU="1")
+    torchrun(SCRIPTS / "train_fsdp.py", tmp_path / "ckpt", tmp_path / "fsdp" / "result.json", "--fsdp", env=env)
+    reference = subprocess.run(
+        [sys.executable, str(SCRIPTS / "train_fsdp.py"), tmp_path / "ckpt", tmp_path / "single" / "result.json"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert reference.returncode == 0, reference.stderr[-5000:]
+    sharded = json.loads((tmp_path / "fsdp" / "result.json").read_text())
+    single = json.loads((tmp_path / "single" / "result.json").read_text())
+
+    assert (sharded["world_size"], single["world_size"]) == (2, 1)
+    assert sharded["sharded"] == pytest.approx(0.5, abs=0.01) and single["sharded"] == 1.0
+    assert {"model.aux_embed_tokens", "model.layers.0", "model.layers.1"} <= set(sharded["fsdp_units"])
+    assert len(sharded["train_losses"]) == len(single["train_losses"]) == 3
+    assert sharded["train_losses"][-1] < sharded["train_losses"][0]  # the steps did train
+    assert sharded["train_losses"] == pytest.approx(single["train_losses"], rel=1e-5)
+    assert sharded["eval_loss"] == pytest.approx(single["eval_loss"], rel=1e-5)
+
+
+TP_CHECKPOINTS = {
+    "moe": dict(qk_norm="per_head", aux_num_experts_per_tok=3, shared_expert_intermediate_size=16),
+    "olmoe": dict(qk_norm="full", clip_qkv=0.5, norm_topk_prob=False),
+    "dense": dict(num_experts=0),
+}
+TP_CASES = [
+    dict(name="moe_tp", checkpoint="moe", parallel="tp", remote=False),
+    dict(name="moe_tp_remote_code", checkpoint="moe", parallel="tp", remote=True),
+    dict(name="moe_ep", checkpoint="moe", parallel="ep", remote=False),
+    dict(name="moe_ep_eager_experts", checkpoint="moe", parallel="ep", remote=False, experts_implementation="eager"),
+    dict(name="olmoe_tp", checkpoint="olmoe", parallel="tp", remote=False),
+    dict(name="dense_tp", checkpoint="dense", parallel="tp", remote=False),
+]
+
+
+@pytest.mark.multiprocess
+def test_tensor_and_expert_parallel_match_single_process(tmp_path):
+    cases = []
+    for name, overrides in TP_CHECKPOINTS.items():
+        tiny_model(**overrides).save_pretrained(tmp_path / name)
+    for case in TP_CASES:
+        cases.append(dict(case, path=str(tmp_path / case["checkpoint"])))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    torchrun(SCRIPTS / "tp_logits.py", tmp_path / "cases.json", tmp_path / "result.json")
+    results = json.loads((tmp_path / "result.json").read_text())
+
+    assert results.keys() == {case["name"] for case in TP_CASES}
+    for name, result in results.items():
+        assert result["logits_max_diff"] <= 1e-5 and result["primary_logits_max_diff"] <= 1e-5, (name, result)
+        assert result["same_greedy_tokens"], name
+        # attention heads split over the 2 ranks; the aux flow's own weights replicated
+        assert 2 * result["local_q_proj_rows"] == result["full_q_proj_rows"], name
+        assert not result["aux_embedding_sharded"] and not result["aux_coupling_sharded"], name
+    assert results["moe_tp_remote_code"]["module"].startswith("transformers_modules")
+    assert results["moe_tp"]["local_experts"] == 4  # TP splits every expert's matrices
+    assert results["moe_ep"]["local_experts"] == results["moe_ep_eager_experts"]["local_experts"] == 2  # EP: 2 of 4
