@@ -17,7 +17,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # A folder from the Hub cache names its repo: .../models--{org}--{name}/snapshots/{revision}
 HUB_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
-HUB_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # safetensors dtype codes -> torch dtype names (the float formats checkpoints of these families use).
 _TORCH_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -38,7 +38,8 @@ def resolve_source(src: str | Path) -> tuple[Path, str | None]:
     try:
         return Path(snapshot_download(str(src), allow_patterns=patterns)), str(src)
     except Exception as error:  # offline, unknown repo, gated repo...: one line for the user either way
-        raise DualFlowUserError(f"{src} is not a local folder and could not be downloaded from the Hub: {error}")
+        reason = " ".join(str(error).split())
+        raise DualFlowUserError(f"{src} is not a local folder and could not be downloaded from the Hub: {reason}")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ import contextlib
 import io
 import json
 import os
-import resource
 import subprocess
 import sys
 import textwrap
@@ -66,7 +65,7 @@ FAMILIES = {
             norm_topk_prob=True, decoder_sparse_step=2,
         ),
     ),
-    "olmoe": (OlmoeForCausalLM, OlmoeConfig(**SHAPE, **EXPERTS, intermediate_size=24, num_experts=4, clip_qkv=0.08)),
+    "olmoe": (OlmoeForCausalLM, OlmoeConfig(**SHAPE, **EXPERTS, intermediate_size=24, num_experts=4, clip_qkv=0.08, eos_token_id=2)),
     "llama": (LlamaForCausalLM, LlamaConfig(**SHAPE, intermediate_size=40, attention_bias=True, tie_word_embeddings=True)),
     "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, intermediate_size=40, sliding_window=5)),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, intermediate_size=40, tie_word_embeddings=True)),
@@ -183,6 +182,13 @@ def test_converted_layout_and_config(tmp_path):
     card = (out / "README.md").read_text()
     assert "license: apache-2.0" in card and "dual-flow" in card and f"dualflow convert {src}" in card
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]  # no temporary leftovers
+
+
+def test_hub_cache_folder_names_the_base_model(tmp_path):
+    snapshot = tmp_path / "hub" / "models--some-org--tiny-qwen" / "snapshots" / "0123abcd"
+    save_source(make_source("qwen2"), snapshot, "single")
+    convert_checkpoint(snapshot, tmp_path / "out", show_progress=False)
+    assert "base_model: some-org/tiny-qwen" in (tmp_path / "out" / "README.md").read_text()
 
 
 def test_larger_aux_top_k_loads_and_runs(tmp_path):
@@ -321,12 +327,14 @@ def test_existing_out_needs_overwrite(tmp_path):
 
 # ---- memory: conversion streams, so peak RSS tracks the largest source tensor, not the checkpoint
 
+# Peak RSS is read from /proc/self/status (VmHWM) rather than getrusage: Linux carries ru_maxrss across fork and
+# exec, so a child spawned by this (large) pytest process would report the parent's peak, not its own.
 PEAK_RSS_SCRIPT = """
-import resource, sys
+import re, sys
 from dualflow.convert import convert_checkpoint
 if len(sys.argv) > 1:
     convert_checkpoint(sys.argv[1], sys.argv[2], max_shard_size="40MB", show_progress=False)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+print(int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024)
 """
 
 
@@ -353,4 +361,5 @@ def test_peak_memory_stays_near_largest_tensor(tmp_path):
     baseline = _peak_rss_bytes()
     peak = _peak_rss_bytes(tmp_path / "src", tmp_path / "out")
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
+    assert baseline > 100 * 2**20  # torch + transformers are imported: the measure is the child's own
     assert peak - baseline < bound, f"conversion used {(peak - baseline) / 2**20:.0f} MiB over the interpreter"

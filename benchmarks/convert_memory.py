@@ -1,0 +1,98 @@
+"""Peak memory and wall time of `dualflow convert` vs loading the same checkpoint whole with transformers.
+
+Builds a random multi-shard Mixtral-style checkpoint with transformers (a few hundred MB, fp32), then measures in
+fresh child processes, one after the other:
+  baseline      python + torch + transformers + dualflow.convert imported, nothing else
+  convert       convert_checkpoint(src, out) with the default --max-shard-size 5GB
+  from_pretrained  AutoModelForCausalLM.from_pretrained(src) (what any whole-model conversion needs at least)
+Peak RSS is each child's VmHWM from /proc/self/status (Linux). Not getrusage: Linux carries ru_maxrss across fork and
+exec, so children of this process (which built the checkpoint) would all report its peak.
+
+    python benchmarks/convert_memory.py [--hidden 512] [--layers 6] [--workdir /tmp/dualflow-convert-bench]
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+CHILD = """
+import json, re, sys, time
+import torch, transformers
+from dualflow.convert import convert_checkpoint
+mode, src, out = sys.argv[1:4]
+start = time.perf_counter()
+if mode == "convert":
+    convert_checkpoint(src, out, show_progress=False)
+elif mode == "from_pretrained":
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+wall_s = time.perf_counter() - start
+peak_kib = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+print(json.dumps({"peak_rss_bytes": peak_kib * 1024, "wall_s": wall_s}))
+"""
+
+
+def make_checkpoint(folder: Path, hidden: int, layers: int):
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+    )
+    torch.manual_seed(0)
+    MixtralForCausalLM(config).save_pretrained(folder, max_shard_size="50MB")
+    return config
+
+
+def measure(mode: str, src: Path, out: Path) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(src), str(out)], capture_output=True, text=True, check=True
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dualflow-convert-bench-"))
+    src, out = workdir / "src", workdir / "out"
+    shutil.rmtree(workdir / "src", ignore_errors=True)
+    make_checkpoint(src, args.hidden, args.layers)
+    size = sum(path.stat().st_size for path in src.glob("*.safetensors"))
+    shards = len(list(src.glob("*.safetensors")))
+
+    measure("convert", src, workdir / "warmup")  # warm the page cache so both contenders read from memory
+    shutil.rmtree(workdir / "warmup")
+    baseline = measure("baseline", src, out)
+    convert = measure("convert", src, out)
+    whole = measure("from_pretrained", src, out)
+
+    mib = 2**20
+    print(f"checkpoint: {size / mib:.0f} MiB in {shards} shards (fp32), {src}")
+    print(f"{'':16s} {'peak RSS MiB':>12s} {'above baseline':>15s} {'wall s':>7s}")
+    for name, row in [("baseline", baseline), ("convert", convert), ("from_pretrained", whole)]:
+        extra = (row["peak_rss_bytes"] - baseline["peak_rss_bytes"]) / mib
+        print(f"{name:16s} {row['peak_rss_bytes'] / mib:12.0f} {extra:15.0f} {row['wall_s']:7.2f}")
+    convert_extra = convert["peak_rss_bytes"] - baseline["peak_rss_bytes"]
+    whole_extra = whole["peak_rss_bytes"] - baseline["peak_rss_bytes"]
+    print(f"memory above baseline, from_pretrained / convert: {whole_extra / max(convert_extra, 1):.1f}x")
+    if args.workdir is None:
+        shutil.rmtree(workdir)
+
+
+if __name__ == "__main__":
+    main()
