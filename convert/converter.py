@@ -149,7 +149,9 @@ def convert_checkpoint(
     except ValueError:
         max_shard_bytes = 0
     if max_shard_bytes < 1:
-        raise DualFlowUserError(f"--max-shard-size must be a positive size like 5GB, 500MB or 1000000, got {max_shard_size!r}")
+        raise DualFlowUserError(
+            f"--max-shard-size must be a positive size like 5GB, 500MB or 1000000, got {max_shard_size!r}"
+        )
     if out.exists() and not overwrite:
         raise DualFlowUserError(f"{out} already exists; pass --overwrite to replace it")
 

@@ -23,7 +23,11 @@ class StreamingSafetensorsWriter:
         self._ends = []
         for name, dtype, shape in layout:
             nbytes = torch.Size(shape).numel() * dtype.itemsize
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
             self._ends.append((name, dtype, offset))
         header_bytes = json.dumps(header, separators=(",", ":")).encode()

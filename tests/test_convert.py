@@ -65,8 +65,14 @@ FAMILIES = {
             norm_topk_prob=True, decoder_sparse_step=2,
         ),
     ),
-    "olmoe": (OlmoeForCausalLM, OlmoeConfig(**SHAPE, **EXPERTS, intermediate_size=24, num_experts=4, clip_qkv=0.08, eos_token_id=2)),
-    "llama": (LlamaForCausalLM, LlamaConfig(**SHAPE, intermediate_size=40, attention_bias=True, tie_word_embeddings=True)),
+    "olmoe": (
+        OlmoeForCausalLM,
+        OlmoeConfig(**SHAPE, **EXPERTS, intermediate_size=24, num_experts=4, clip_qkv=0.08, eos_token_id=2),
+    ),
+    "llama": (
+        LlamaForCausalLM,
+        LlamaConfig(**SHAPE, intermediate_size=40, attention_bias=True, tie_word_embeddings=True),
+    ),
     "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, intermediate_size=40, sliding_window=5)),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, intermediate_size=40, tie_word_embeddings=True)),
     "qwen3": (
@@ -265,8 +271,11 @@ def _bad_sources(tmp_path: Path) -> dict:
         [],
         "Field 'hidden_size' expected int, got str",
     )
-    cases["deepseek"] = (_write_config(tmp_path / "dsv3", '{"model_type": "deepseek_v3"}'), [], "'deepseek_v3' is not supported")
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0))
+    deepseek = _write_config(tmp_path / "dsv3", '{"model_type": "deepseek_v3"}')
+    cases["deepseek"] = (deepseek, [], "'deepseek_v3' is not supported")
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0)
+    )
     gpt2.save_pretrained(tmp_path / "gpt2")
     cases["gpt2"] = (tmp_path / "gpt2", [], "'gpt2' is not supported; supported: mixtral, qwen2_moe")
 
@@ -280,8 +289,9 @@ def _bad_sources(tmp_path: Path) -> dict:
     shard.write_bytes(shard.read_bytes()[:-100])
     cases["truncated shard"] = (truncated, [], "unreadable or truncated")
     unindexed = save_source(mixtral, tmp_path / "unindexed", "sharded")
-    _edit_json(unindexed / "model.safetensors.index.json", lambda d: d["weight_map"].pop("model.layers.2.self_attn.k_proj.weight"))
-    cases["key missing from index"] = (unindexed, [], "model.layers.2.self_attn.k_proj.weight is missing from model.safetensors.index.json")
+    dropped = "model.layers.2.self_attn.k_proj.weight"
+    _edit_json(unindexed / "model.safetensors.index.json", lambda d: d["weight_map"].pop(dropped))
+    cases["key missing from index"] = (unindexed, [], f"{dropped} is missing from model.safetensors.index.json")
 
     moe = save_source(mixtral, tmp_path / "moe", "single")
     cases["aux top-k 0"] = (moe, ["--aux-top-k", "0"], "--aux-top-k must be in [1, num_experts=4], got 0")
