@@ -481,6 +481,8 @@ def run(args) -> int:
     if args.decode_tokens < 1 or args.repeats < 1 or args.eval_tokens < 2:
         raise DualFlowUserError("--decode-tokens and --repeats must be >= 1, --eval-tokens >= 2")
     batch_sizes = _int_list(args.batch)
+    if args.data:
+        check_data_files(args.data)  # fail on a bad path before loading or training anything
     if args.threads is not None:
         if args.threads < 1:
             raise DualFlowUserError(f"--threads must be >= 1, got {args.threads}")
