@@ -86,7 +86,9 @@ class Variant:
                 return mean_token_nll(model, blocks, batch_size, use_aux_flow=self.use_aux_flow)
             # Same-length blocks: the mean of per-block means is the token mean.
             losses = [
-                next_token_nll(two_pass_forward(model, block[None], DualFlowCache(config=model.config))[1], block[None])
+                next_token_nll(
+                    two_pass_forward(model, block[None], DualFlowCache(config=model.config))[1], block[None]
+                )
                 for block in blocks.to(model.device)
             ]
             return float(torch.stack(losses).mean())
@@ -189,7 +191,9 @@ class CompareSettings:
 
 
 @torch.no_grad()
-def measure(model, variants: list[Variant], tokens: torch.Tensor, settings: CompareSettings, show_progress=True) -> dict:
+def measure(
+    model, variants: list[Variant], tokens: torch.Tensor, settings: CompareSettings, show_progress=True
+) -> dict:
     """
     Every metric for every variant. Timings are interleaved across variants and repeats, then reduced to the median.
     `tokens`: 1-D token ids of the data (prompts, decode streams and validation blocks are cut from it).
@@ -214,26 +218,36 @@ def measure(model, variants: list[Variant], tokens: torch.Tensor, settings: Comp
             variant.step(model, decode_inputs[batch][:, : settings.decode_prompt_length], cache)
             stream = decode_inputs[batch][:, settings.decode_prompt_length :]
             # Teacher-forced from the data, so every variant decodes the very same tokens.
-            return _seconds(lambda: [variant.step(model, stream[:, i : i + 1], cache) for i in range(stream.shape[1])], device)
+
+            def steps():
+                for i in range(stream.shape[1]):
+                    variant.step(model, stream[:, i : i + 1], cache)
+
+            return _seconds(steps, device)
 
         return run
 
-    raw = {v.name: {"prefill": {L: [] for L in prompts}, "decode": {B: [] for B in decode_inputs}, "peak": []} for v in variants}
+    raw = {
+        variant.name: {"prefill": {L: [] for L in prompts}, "decode": {B: [] for B in decode_inputs}, "peak": []}
+        for variant in variants
+    }
     for variant in variants:  # warm-up: first calls pay one-off allocation and dispatch costs
         prefill(variant, min(prompts))()
         decode(variant, min(decode_inputs))()
     jobs = settings.repeats * len(variants) * (len(prompts) + len(decode_inputs) + 1)
     with tqdm(total=jobs, desc="timing", disable=not show_progress) as bar:
-        for _ in range(settings.repeats):
+        for repeat in range(settings.repeats):
+            # Rotate the order each repeat so no variant always runs right after the same one.
+            order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
             for length in prompts:
-                for variant in variants:
+                for variant in order:
                     raw[variant.name]["prefill"][length].append(_seconds(prefill(variant, length), device))
                     bar.update()
             for batch in decode_inputs:
-                for variant in variants:
+                for variant in order:
                     raw[variant.name]["decode"][batch].append(decode(variant, batch)())
                     bar.update()
-            for variant in variants:
+            for variant in order:
                 raw[variant.name]["peak"].append(peak_memory_bytes(prefill(variant, longest), device))
                 bar.update()
 
@@ -279,10 +293,15 @@ def _table_rows(metrics: dict, ratios: dict) -> list[tuple[str, list[str]]]:
 
     rows = []
     for length in first["prefill_ms"]:
-        rows.append((f"prefill ms, prompt {length}", [cell(n, ("prefill_ms", length), lambda v: f"{v:.2f}") for n in names]))
+        rows.append(
+            (f"prefill ms, prompt {length}", [cell(n, ("prefill_ms", length), lambda v: f"{v:.2f}") for n in names])
+        )
     for batch in first["decode_tokens_per_s"]:
         rows.append(
-            (f"decode tok/s, batch {batch}", [cell(n, ("decode_tokens_per_s", batch), lambda v: f"{v:.1f}") for n in names])
+            (
+                f"decode tok/s, batch {batch}",
+                [cell(n, ("decode_tokens_per_s", batch), lambda v: f"{v:.1f}") for n in names],
+            )
         )
     rows.append(("KV cache KiB", [cell(n, ("kv_cache_bytes",), lambda v: f"{v / 1024:.1f}") for n in names]))
     rows.append(("peak memory MiB", [cell(n, ("peak_memory_bytes",), lambda v: f"{v / 2**20:.1f}") for n in names]))
@@ -294,7 +313,8 @@ def _table_rows(metrics: dict, ratios: dict) -> list[tuple[str, list[str]]]:
         (
             "val loss (nats/token)",
             [
-                f"{metrics[n]['val_loss']:.4f}" + ("" if n == BASELINE else f" ({metrics[n]['val_loss'] - base_loss:+.4f})")
+                f"{metrics[n]['val_loss']:.4f}"
+                + ("" if n == BASELINE else f" ({metrics[n]['val_loss'] - base_loss:+.4f})")
                 for n in names
             ],
         )
@@ -316,7 +336,9 @@ def format_table(metrics: dict, ratios: dict) -> str:
     return "\n".join(lines)
 
 
-def compare_report(model, model_name: str, data_names: list[str], tokens, settings: CompareSettings, show_progress=True) -> dict:
+def compare_report(
+    model, model_name: str, data_names: list[str], tokens, settings: CompareSettings, show_progress=True
+) -> dict:
     """Measure and assemble the JSON-ready report (schema `dualflow-compare/1`)."""
     config = model.config
     variants = build_variants(config)
@@ -350,7 +372,8 @@ def compare_report(model, model_name: str, data_names: list[str], tokens, settin
             "repeats": settings.repeats,
             "prefill_batch_size": 1,
             "eval_block_size": settings.eval_block_size,
-            "eval_tokens": min(settings.eval_blocks, len(tokens) // settings.eval_block_size) * settings.eval_block_size,
+            "eval_tokens": min(settings.eval_blocks, len(tokens) // settings.eval_block_size)
+            * settings.eval_block_size,
             "data": data_names,
         },
         "peak_memory_method": peak_memory_method(model.device) + "; prefill of the longest prompt, batch 1",
@@ -397,13 +420,18 @@ def plot_report(report: dict, path) -> None:
 
 
 def builtin_model(steps: int, show_progress: bool = True) -> DualFlowForCausalLM:
-    """Tiny byte-level MoE (8 experts, k_p=2, k_a=4) trained briefly on stdlib sources, so its losses mean something."""
+    """Tiny byte-level MoE (8 experts, k_p=2, k_a=4) briefly trained on stdlib code, so its losses mean something."""
     scale = TinyScale()
     train_files, _ = split_files(stdlib_source_files())
     train_tokens = read_byte_tokens(train_files, max_tokens=4_000_000)
     model, _ = train_language_model(
-        tiny_moe_config(scale, top_k=2, aux_top_k=4), train_tokens, scale, seed=0, steps=steps,
-        desc="training the built-in model", show_progress=show_progress,
+        tiny_moe_config(scale, top_k=2, aux_top_k=4),
+        train_tokens,
+        scale,
+        seed=0,
+        steps=steps,
+        desc="training the built-in model",
+        show_progress=show_progress,
     )
     return model
 
@@ -418,7 +446,7 @@ def load_checkpoint(path: str) -> tuple[DualFlowForCausalLM, object | None]:
     config = AutoConfig.from_pretrained(folder)
     if config.model_type != "dualflow":
         raise DualFlowUserError(
-            f"{path} is a {config.model_type!r} checkpoint, not a Dual-Flow one: convert it first with `dualflow convert`"
+            f"{path} is a {config.model_type!r} checkpoint, not a Dual-Flow one: convert it with `dualflow convert`"
         )
     model = DualFlowForCausalLM.from_pretrained(folder).eval()
     try:
@@ -464,11 +492,13 @@ def register(subparsers) -> None:
     )
     parser.add_argument("model", nargs="?", help="Dual-Flow model folder (default: a built-in tiny MoE)")
     parser.add_argument("--data", nargs="+", help="text files to score and cut prompts from (default: stdlib sources)")
-    parser.add_argument("--prompt-lengths", help="prefill prompt lengths (default 128,512,2048; built-in: 64,256,1024)")
+    parser.add_argument(
+        "--prompt-lengths", help="prefill prompt lengths (default 128,512,2048; built-in: 64,256,1024)"
+    )
     parser.add_argument("--batch", default="1,8", help="decode batch sizes (default 1,8)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed per run (default 32)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats per timing (median; default 5)")
-    parser.add_argument("--eval-tokens", type=int, default=4096, help="validation tokens scored (default 4096)")
+    parser.add_argument("--eval-tokens", type=int, default=2048, help="validation tokens scored (default 2048)")
     parser.add_argument("--train-steps", type=int, default=150, help="training steps of the built-in model")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -512,9 +542,13 @@ def run(args) -> int:
     report = compare_report(model, name, data_names, tokens, settings)
     print(f"\nmodel: {name}  ({report['device']}, {report['dtype']}, {report['torch_threads']} threads)")
     print(report["table"])
-    print(f"prefill: batch 1; decode: {settings.decode_tokens} tokens after a {settings.decode_prompt_length}-token prompt")
+    print(
+        f"prefill: batch 1. decode: {settings.decode_tokens} tokens after {settings.decode_prompt_length} prompt"
+    )
     print(f"peak memory: {report['peak_memory_method']}")
-    print(f"val loss: mean next-token NLL over {report['settings']['eval_tokens']} tokens of {len(data_names)} file(s)")
+    print(
+        f"val loss: mean next-token NLL over {report['settings']['eval_tokens']} tokens of {len(data_names)} file(s)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")

@@ -31,9 +31,7 @@ def stdlib_source_files() -> list[Path]:
     """The interpreter's standard library `.py` files (test suites excluded), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [
-        path
-        for path in root.rglob("*.py")
-        if not SKIPPED_STDLIB_DIRS.intersection(path.relative_to(root).parts[:-1])
+        path for path in root.rglob("*.py") if not SKIPPED_STDLIB_DIRS.intersection(path.relative_to(root).parts[:-1])
     ]
     if not files:
         raise DualFlowUserError(f"no Python sources found under {root}: pass text files with --data")

@@ -50,8 +50,11 @@ def _generate(model, prompt_ids: torch.Tensor, **kwargs) -> list[int]:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("demo", help="build, convert, generate and compare a tiny MoE (about a minute)",
-                                   description=__doc__.split("\n\n")[0])
+    parser = subparsers.add_parser(
+        "demo",
+        help="build, convert, generate and compare a tiny MoE (about a minute)",
+        description=__doc__.split("\n\n")[0],
+    )
     parser.add_argument("--out", help="keep the converted checkpoint in this folder (default: a temporary one)")
     parser.set_defaults(func=run)
 
@@ -68,12 +71,14 @@ def run(args) -> int:
         model = AutoModelForCausalLM.from_pretrained(converted, trust_remote_code=True).eval()
         prompt_ids = torch.tensor([encode_bytes(PROMPT)])
         runs = {
-            "aux off (primary = source model)": dict(use_aux_flow=False),
-            "aux on, k_a=2 (= k_p: upcycled, untrained)": dict(use_aux_flow=True, aux_num_experts_per_tok=2),
-            "aux on, k_a=4 (more decode compute)": dict(use_aux_flow=True),
+            "aux off (primary = source model)": {"use_aux_flow": False},
+            "aux on, k_a=2 (= k_p: upcycled, untrained)": {"use_aux_flow": True, "aux_num_experts_per_tok": 2},
+            "aux on, k_a=4 (more decode compute)": {"use_aux_flow": True},
         }
-        print(f"3. loaded with AutoModelForCausalLM(trust_remote_code=True): {type(model).__name__}; "
-              f"greedy {NEW_TOKENS} tokens after {PROMPT!r} (random weights, so the text is noise):")
+        print(
+            f"3. loaded with AutoModelForCausalLM(trust_remote_code=True): {type(model).__name__}; "
+            f"greedy {NEW_TOKENS} tokens after {PROMPT!r} (random weights, so the text is noise):"
+        )
         generations = {label: _generate(model, prompt_ids, **kwargs) for label, kwargs in runs.items()}
         for label, tokens in generations.items():
             print(f"   {label:<44} ids {tokens}  text {decode_bytes(tokens)!r}")

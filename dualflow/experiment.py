@@ -79,7 +79,7 @@ def flow_forward_flops(config, context: float, top_k: int, aux: bool = False) ->
 
 
 def arm_costs(arm: Arm, config, scale: TinyScale) -> dict:
-    """Analytic per-token costs of an arm: training / prefill / decode FLOPs and routed experts (summed over layers)."""
+    """Analytic per-token costs of an arm: training / prefill / decode FLOPs, routed experts (summed over layers)."""
     train_ctx, moe_layers = (scale.block_size + 1) / 2, sum(map(config.is_moe_layer, range(config.num_hidden_layers)))
     train_forward = flow_forward_flops(config, train_ctx, arm.top_k)
     decode = flow_forward_flops(config, scale.block_size, arm.top_k)
@@ -119,7 +119,9 @@ def load_corpus(data_paths, scale: TinyScale) -> tuple[torch.Tensor, torch.Tenso
         cut = int(len(train) * 0.9)
         train, val = train[:cut], train[cut:]
     if len(train) <= scale.block_size:
-        raise DualFlowUserError(f"training data holds {len(train)} tokens, need more than a block of {scale.block_size}")
+        raise DualFlowUserError(
+            f"training data holds {len(train)} tokens, need more than a block of {scale.block_size}"
+        )
     blocks = eval_blocks(val, scale.block_size, scale.eval_blocks)
     description = {
         "source": "--data files" if data_paths else f"Python {platform.python_version()} standard library sources",
@@ -142,8 +144,13 @@ def run_arms(arms, scale: TinyScale, seeds: list[int], train_tokens, val_blocks,
                 config = tiny_moe_config(scale, arm.top_k, arm.aux_top_k, arm.depth_factor)
                 start = time.perf_counter()
                 model, curve = train_language_model(
-                    config, train_tokens, scale, seed, steps=scale.steps * arm.token_factor,
-                    desc=f"{arm.name} (seed {seed})", show_progress=show_progress,
+                    config,
+                    train_tokens,
+                    scale,
+                    seed,
+                    steps=scale.steps * arm.token_factor,
+                    desc=f"{arm.name} (seed {seed})",
+                    show_progress=show_progress,
                 )
                 wall = time.perf_counter() - start
                 run = {"seed": seed, "wall_s": wall, "train_curve": curve}
@@ -166,21 +173,31 @@ def run_arms(arms, scale: TinyScale, seeds: list[int], train_tokens, val_blocks,
 
 
 def format_table(arms: list[dict]) -> str:
-    header = ["arm", "val loss (mean ± std)", "primary-only val loss", "train MFLOP/tok", "train tokens",
-              "prefill experts/tok", "decode experts/tok", "wall s/run"]
+    header = [
+        "arm",
+        "val loss (mean ± std)",
+        "primary-only val loss",
+        "train MFLOP/tok",
+        "train tokens",
+        "prefill experts/tok",
+        "decode experts/tok",
+        "wall s/run",
+    ]
     rows = []
     for arm in arms:
         primary = arm["primary_val_loss"]
-        rows.append([
-            arm["name"],
-            f"{arm['val_loss']['mean']:.4f} ± {arm['val_loss']['std']:.4f}",
-            f"{primary['mean']:.4f} ± {primary['std']:.4f}" if primary else "-",
-            f"{arm['train_flops_per_token'] / 1e6:.2f}",
-            f"{arm['train_tokens'] / 1e6:.2f}M",
-            str(arm["prefill_experts_per_token"]),
-            str(arm["decode_experts_per_token"]),
-            f"{arm['wall_s']['mean']:.0f}",
-        ])
+        rows.append(
+            [
+                arm["name"],
+                f"{arm['val_loss']['mean']:.4f} ± {arm['val_loss']['std']:.4f}",
+                f"{primary['mean']:.4f} ± {primary['std']:.4f}" if primary else "-",
+                f"{arm['train_flops_per_token'] / 1e6:.2f}",
+                f"{arm['train_tokens'] / 1e6:.2f}M",
+                str(arm["prefill_experts_per_token"]),
+                str(arm["decode_experts_per_token"]),
+                f"{arm['wall_s']['mean']:.0f}",
+            ]
+        )
     widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
     lines = [" | ".join(text.ljust(width) for text, width in zip(row, widths)) for row in [header] + rows]
     lines.insert(1, "-+-".join("-" * width for width in widths))
@@ -216,7 +233,9 @@ def plot_loss_curves(report: dict, path) -> None:
         ax.plot(x, smoothed, style, color=f"C{index}", label=f"{arm['name']} (val {arm['val_loss']['mean']:.3f})")
     ax.set(xlabel="training tokens (millions)", ylabel="training NLL of the prediction (nats/token, smoothed)")
     ax.set_ylim(min(lowest) - 0.1, min(lowest) + 1.5)
-    ax.set_title(f"Training curves, mean of {len(report['seeds'])} seed(s); dashed = dual-flow (aux prediction)", fontsize=10)
+    ax.set_title(
+        f"Training curves, mean of {len(report['seeds'])} seed(s); dashed = dual-flow (aux prediction)", fontsize=10
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -241,10 +260,24 @@ def plot_frontier(report: dict, path) -> None:
         for index, arm in enumerate(report["arms"]):
             x = arm[key] / divisor
             marker = "s" if arm["aux_top_k"] else "o"
-            ax.errorbar(x, arm["val_loss"]["mean"], yerr=arm["val_loss"]["std"], fmt=marker, color=f"C{index}",
-                        capsize=3, markersize=7, label=arm["name"])
-            ax.annotate(arm["name"], (x, arm["val_loss"]["mean"]), textcoords="offset points", xytext=(5, 4),
-                        fontsize=7, color=f"C{index}")
+            ax.errorbar(
+                x,
+                arm["val_loss"]["mean"],
+                yerr=arm["val_loss"]["std"],
+                fmt=marker,
+                color=f"C{index}",
+                capsize=3,
+                markersize=7,
+                label=arm["name"],
+            )
+            ax.annotate(
+                arm["name"],
+                (x, arm["val_loss"]["mean"]),
+                textcoords="offset points",
+                xytext=(5, 4),
+                fontsize=7,
+                color=f"C{index}",
+            )
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss (nats/token; mean ± std over seeds)")
@@ -276,11 +309,20 @@ def register(subparsers) -> None:
     parser.add_argument("--data", nargs="+", help="text files (default: the Python standard library sources)")
     parser.add_argument("--seeds", type=int, help="seeds per arm (default 3; --quick: 2)")
     parser.add_argument("--steps", type=int, help="training steps per arm (the 2x-tokens arm runs twice as many)")
-    parser.add_argument("--arms", nargs="+", choices=[arm.name for arm in ARMS], metavar="ARM",
-                        help=f"subset of arms (default all: {', '.join(repr(arm.name) for arm in ARMS)})")
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=[arm.name for arm in ARMS],
+        metavar="ARM",
+        help=f"subset of arms (default all: {', '.join(repr(arm.name) for arm in ARMS)})",
+    )
     parser.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: these matmuls are too small to gain from more)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: these matmuls are too small to gain from more)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -328,8 +370,10 @@ def run(args) -> int:
     plot_loss_curves(report, out / "loss_curves.png")
     plot_frontier(report, out / "frontier.png")
     print(report["table"])
-    print(f"val loss: mean next-token NLL of the prediction (aux flow for dual arms) over {data['val_tokens']} held-out "
-          f"tokens; ± = std over {num_seeds} seed(s). Total {report['wall_s_total'] / 60:.1f} min.")
+    print(
+        f"val loss: mean next-token NLL of the prediction (aux flow for dual arms) over {data['val_tokens']} held-out "
+        f"tokens; ± = std over {num_seeds} seed(s). Total {report['wall_s_total'] / 60:.1f} min."
+    )
     print(f"wrote {out / 'experiment.json'}, {out / 'loss_curves.png'}, {out / 'frontier.png'}")
     if args.quick:
         print("--quick: far too few steps to conclude anything; run without --quick for the real comparison.")

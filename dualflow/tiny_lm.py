@@ -31,7 +31,9 @@ class TinyScale:
     eval_blocks: int = 64
 
 
-def tiny_moe_config(scale: TinyScale, top_k: int, aux_top_k: int | None = None, depth_factor: int = 1) -> DualFlowConfig:
+def tiny_moe_config(
+    scale: TinyScale, top_k: int, aux_top_k: int | None = None, depth_factor: int = 1
+) -> DualFlowConfig:
     """Byte-level MoE config; `aux_top_k=None` makes a single-flow model (aux flow off by default)."""
     return DualFlowConfig(
         vocab_size=BYTE_VOCAB_SIZE,
@@ -55,13 +57,13 @@ def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 
 @torch.no_grad()
-def mean_token_nll(model, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False, **forward_kwargs) -> float:
+def mean_token_nll(model, blocks: torch.Tensor, batch_size: int = 8, **forward_kwargs) -> float:
     """
     Mean next-token NLL (nats) over every predicted token of `blocks` (num_blocks, T); `forward_kwargs` go to the
     model (e.g. `use_aux_flow=False`). Every block has the same length, so the mean of block means is the token mean.
     """
     total, count = 0.0, 0
-    for start in tqdm(range(0, len(blocks), batch_size), desc="val loss", disable=not progress, leave=False):
+    for start in range(0, len(blocks), batch_size):
         batch = blocks[start : start + batch_size].to(model.device)
         logits = model(batch, **forward_kwargs).logits
         total += next_token_nll(logits, batch).item() * batch[:, 1:].numel()

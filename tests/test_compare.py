@@ -13,7 +13,6 @@ from dualflow.compare import (
     BASELINE,
     SCHEMA,
     CompareSettings,
-    Variant,
     build_variants,
     compare_report,
     expected_kv_cache_bytes,
@@ -86,8 +85,13 @@ def test_compare_report_schema_table_and_plot(tmp_path):
     model = tiny_model(aux_num_experts_per_tok=3)
     tokens = torch.randint(0, model.config.vocab_size, (400,))
     settings = CompareSettings(
-        prompt_lengths=(8, 16), batch_sizes=(1, 2), decode_tokens=2, decode_prompt_length=4, repeats=2,
-        eval_block_size=16, eval_blocks=3,
+        prompt_lengths=(8, 16),
+        batch_sizes=(1, 2),
+        decode_tokens=2,
+        decode_prompt_length=4,
+        repeats=2,
+        eval_block_size=16,
+        eval_blocks=3,
     )
     report = compare_report(model, "tiny", ["random"], tokens, settings, show_progress=False)
     report = json.loads(json.dumps(report))  # JSON round trip: every value serialisable
@@ -97,21 +101,36 @@ def test_compare_report_schema_table_and_plot(tmp_path):
     for name in report["variants"]:
         metrics = report["metrics"][name]
         assert set(metrics) == {
-            "prefill_ms", "decode_tokens_per_s", "kv_cache_bytes", "peak_memory_bytes", "peak_memory_increase_bytes",
+            "prefill_ms",
+            "decode_tokens_per_s",
+            "kv_cache_bytes",
+            "peak_memory_bytes",
+            "peak_memory_increase_bytes",
             "val_loss",
         }
         assert set(metrics["prefill_ms"]) == {"8", "16"} and set(metrics["decode_tokens_per_s"]) == {"1", "2"}
         assert all(value > 0 for value in metrics["prefill_ms"].values())
         assert metrics["kv_cache_bytes"] == expected_kv_cache_bytes(model.config, 1, 16, torch.float32)
         ratios = report["ratios_vs_primary_only"][name]
-        assert abs(ratios["prefill_ms"]["8"] - metrics["prefill_ms"]["8"] / report["metrics"][BASELINE]["prefill_ms"]["8"]) < 1e-9
+        assert (
+            abs(
+                ratios["prefill_ms"]["8"] - metrics["prefill_ms"]["8"] / report["metrics"][BASELINE]["prefill_ms"]["8"]
+            )
+            < 1e-9
+        )
     assert report["ratios_vs_primary_only"][BASELINE]["kv_cache_bytes"] == 1.0
     lines = report["table"].splitlines()
     assert lines[0].split()[1:] == ["primary-only", "dual-flow", "two-pass", "reference", "single", "top-k=3"]
     labels = [line[: lines[1].index(" ")].strip() for line in lines[2:]]
     assert labels == [
-        "prefill ms, prompt 8", "prefill ms, prompt 16", "decode tok/s, batch 1", "decode tok/s, batch 2",
-        "KV cache KiB", "peak memory MiB", "increase MiB", "val loss (nats/token)",
+        "prefill ms, prompt 8",
+        "prefill ms, prompt 16",
+        "decode tok/s, batch 1",
+        "decode tok/s, batch 2",
+        "KV cache KiB",
+        "peak memory MiB",
+        "increase MiB",
+        "val loss (nats/token)",
     ]
     assert "(1.00x)" in lines[6]  # KV cache: every variant holds exactly the primary cache
     plot_report(report, tmp_path / "compare.png")
@@ -122,8 +141,24 @@ def test_compare_cli_on_a_checkpoint_folder_and_bad_input(tmp_path, capsys):
     folder = tmp_path / "byte-model"
     tiny_model(vocab_size=256, aux_num_experts_per_tok=4).save_pretrained(folder)  # no tokenizer: byte-level
     out = tmp_path / "report.json"
-    argv = ["compare", str(folder), "--data", str(SMALL_TEXT_FILES[0]), "--prompt-lengths", "8,32", "--batch", "1,2",
-            "--decode-tokens", "2", "--repeats", "1", "--eval-tokens", "64", "--json", str(out)]
+    argv = [
+        "compare",
+        str(folder),
+        "--data",
+        str(SMALL_TEXT_FILES[0]),
+        "--prompt-lengths",
+        "8,32",
+        "--batch",
+        "1,2",
+        "--decode-tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--eval-tokens",
+        "64",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert report["model"] == str(folder) and report["settings"]["data"] == [str(SMALL_TEXT_FILES[0])]
