@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from .errors import DualFlowUserError
-from .lora import add_lora, save_lora
+from .lora import add_lora
 from .model_card import write_model_card
 
 
@@ -172,7 +172,7 @@ def finetune(
 ) -> FinetuneResult:
     """
     Fine-tune `model_path` on `data_path` and save the result into `output_dir`: the full model (loadable with
-    `AutoModelForCausalLM`, also as remote code) or, with `lora`, the adapter (load it with `dualflow.lora.load_lora`).
+    `AutoModelForCausalLM`, also as remote code) or, with `lora`, the adapter (load it with `peft.PeftModel.from_pretrained`).
     `trainer_options` go to `make_trainer`. The folder appears only once everything is written.
     """
     if lora and aux_only:
@@ -210,7 +210,7 @@ def finetune(
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
     try:
         if lora:
-            save_lora(model, staging)
+            model.save_pretrained(staging)
         else:
             model.save_pretrained(staging)
             mode = "aux-only" if aux_only else "full"

@@ -15,14 +15,13 @@ from huggingface_hub import HfApi, get_token
 from modeling_dualflow import DualFlowConfig
 
 from .errors import DualFlowUserError
-from .lora import AUX_COUPLING_FILE
 from .model_card import write_model_card
 
 
 CODE_FILES = ("configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py")
 AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", AUX_COUPLING_FILE)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def check_upload_folder(folder) -> str:
@@ -33,7 +32,7 @@ def check_upload_folder(folder) -> str:
     if (folder / "adapter_config.json").is_file():  # a `dualflow finetune --lora` output
         missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
         if missing:
-            raise DualFlowUserError(f"adapter folder {folder} lacks {', '.join(missing)}: save it with dualflow.lora.save_lora")
+            raise DualFlowUserError(f"adapter folder {folder} lacks {', '.join(missing)}: save it with PeftModel.save_pretrained")
         return "adapter"
     config_path = folder / "config.json"
     if not config_path.is_file():

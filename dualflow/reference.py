@@ -46,7 +46,7 @@ def aux_pass(model, input_ids, entering_states, cache, aux_positions, position_i
     cos, sin = body.rotary_emb(aux_states, positions)
     for layer_idx, layer in enumerate(body.layers):
         attn = layer.self_attn
-        aux_states = aux_states + layer.aux_coupling * entering_states[layer_idx][:, aux_positions]
+        aux_states = aux_states + layer.aux_coupling.weight * entering_states[layer_idx][:, aux_positions]
         normed = layer.input_layernorm(aux_states)
         query = apply_rotary(attn._project(normed, attn.q_proj, getattr(attn, "q_norm", None)), cos, sin)
         keys, values = cache.layers[layer_idx].keys, cache.layers[layer_idx].values

@@ -255,6 +255,20 @@ class DualFlowSparseMoeBlock(nn.Module):
         return torch.zeros_like(flat).index_add(0, pair_rows, pair_output)
 
 
+class DualFlowCoupling(nn.Module):
+    """
+    c_l: per-channel gain with which the aux flow adds the primary state entering the layer (0 at upcycling). A module
+    rather than a bare parameter so that PEFT's `modules_to_save` can train and save it like the aux embedding.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, primary_states: torch.Tensor) -> torch.Tensor:
+        return self.weight * primary_states
+
+
 class DualFlowDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DualFlowConfig, layer_idx: int):
         super().__init__()
@@ -265,8 +279,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
             self.mlp = DualFlowMLP(config, config.intermediate_size)
         self.input_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # c_l: how much of the primary state entering this layer the aux flow adds to its own (0 at upcycling).
-        self.aux_coupling = nn.Parameter(torch.zeros(config.hidden_size))
+        self.aux_coupling = DualFlowCoupling(config.hidden_size)
 
     def forward(
         self,
@@ -283,7 +296,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         # hidden_states: (batch, T + P, hidden) = [primary rows; aux rows]
         if aux_positions is not None:
             aux_rows = torch.arange(num_primary, hidden_states.shape[1], device=hidden_states.device)
-            coupled = self.aux_coupling * hidden_states[:, aux_positions]
+            coupled = self.aux_coupling(hidden_states[:, aux_positions])
             hidden_states = hidden_states.index_add(1, aux_rows, coupled)
 
         residual = hidden_states
@@ -366,8 +379,8 @@ class DualFlowPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, DualFlowTopKRouter):
             init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, DualFlowDecoderLayer):
-            init.zeros_(module.aux_coupling)
+        elif isinstance(module, DualFlowCoupling):
+            init.zeros_(module.weight)
 
 
 class DualFlowModel(DualFlowPreTrainedModel):
@@ -551,7 +564,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         """Upcycling init: aux embedding = primary embedding, coupling = 0 (with k_a == k_p: aux == primary)."""
         self.model.aux_embed_tokens.weight.copy_(self.model.embed_tokens.weight)
         for layer in self.model.layers:
-            layer.aux_coupling.zero_()
+            layer.aux_coupling.weight.zero_()
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)

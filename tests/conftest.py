@@ -41,7 +41,7 @@ def tiny_model(seed: int = 0, random_coupling: bool = True, attn_implementation:
     if random_coupling:
         with torch.no_grad():
             for layer in model.model.layers:
-                layer.aux_coupling.normal_(std=0.5)
+                layer.aux_coupling.weight.normal_(std=0.5)
     return model
 
 

@@ -154,7 +154,7 @@ def test_family_conversion_parity(family, tmp_path):
         assert config.aux_num_experts_per_tok == config.num_experts_per_tok
         # upcycling init: aux embedding = copy of the token embedding, no coupling
         assert torch.equal(converted.model.aux_embed_tokens.weight, source.model.embed_tokens.weight)
-        assert all(not layer.aux_coupling.any() for layer in converted.model.layers)
+        assert all(not layer.aux_coupling.weight.any() for layer in converted.model.layers)
 
 
 def test_converted_layout_and_config(tmp_path):
@@ -170,7 +170,7 @@ def test_converted_layout_and_config(tmp_path):
     assert shapes["model.layers.0.mlp.experts.down_proj"] == (4, 32, 24)  # (E, H, I)
     assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, 32)
     assert shapes["model.layers.1.mlp.gate_proj.weight"] == (40, 32)  # mlp_only_layers=[1] stays dense
-    assert shapes["model.layers.2.aux_coupling"] == (32,)
+    assert shapes["model.layers.2.aux_coupling.weight"] == (32,)
     assert "model.layers.0.self_attn.o_proj.bias" not in shapes and "model.layers.0.self_attn.q_proj.bias" in shapes
     # gate rows first, then up rows, per expert
     gate_up = DualFlowForCausalLM.from_pretrained(out).model.layers[0].mlp.experts.gate_up_proj

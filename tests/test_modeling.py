@@ -157,7 +157,7 @@ class TestPrimaryIsolation:
         with torch.no_grad():
             model.model.aux_embed_tokens.weight.normal_()
             for layer in model.model.layers:
-                layer.aux_coupling.normal_(std=3.0)
+                layer.aux_coupling.weight.normal_(std=3.0)
         runs.append(self._primary_run(model, input_ids, attention_mask))
         rows = valid_rows(attention_mask)
         for logits, hidden_states, cache_tensors in runs:
@@ -332,7 +332,7 @@ class TestOutputsAndLoss:
 class TestInitAndResize:
     def test_from_scratch_init(self):
         model = tiny_model(random_coupling=False)
-        assert all(torch.count_nonzero(layer.aux_coupling) == 0 for layer in model.model.layers)
+        assert all(torch.count_nonzero(layer.aux_coupling.weight) == 0 for layer in model.model.layers)
         assert not torch.equal(model.model.aux_embed_tokens.weight, model.model.embed_tokens.weight)
         assert model.model.aux_embed_tokens.weight.std() > 0.01
 
@@ -357,7 +357,7 @@ class TestInitAndResize:
         model.freeze_for_aux_training()
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         assert trainable == {"model.aux_embed_tokens.weight"} | {
-            f"model.layers.{i}.aux_coupling" for i in range(2)
+            f"model.layers.{i}.aux_coupling.weight" for i in range(2)
         }
 
 

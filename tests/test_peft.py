@@ -8,9 +8,8 @@ from peft.tuners.lora import LoraLayer, ParamWrapper
 from test_training import byte_model, stdlib_blocks
 from transformers import AutoModelForCausalLM
 
-from dualflow.errors import DualFlowUserError
 from dualflow.finetune import make_trainer
-from dualflow.lora import AUX_COUPLING_FILE, add_lora, load_lora, save_lora
+from dualflow.lora import add_lora
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -26,7 +25,7 @@ def test_lora_adapts_attention_and_fused_experts_and_trains_aux_in_full():
         assert {experts.parameter_name, experts.base_layer.parameter_name} == {"gate_up_proj", "down_proj"}
     trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
     assert "base_model.model.model.aux_embed_tokens.modules_to_save.default.weight" in trainable
-    assert {f"base_model.model.model.layers.{i}.aux_coupling" for i in range(2)} <= trainable
+    assert {f"base_model.model.model.layers.{i}.aux_coupling.modules_to_save.default.weight" for i in range(2)} <= trainable
     others = trainable - {name for name in trainable if "lora_" in name or "aux_" in name}
     assert not others
 
@@ -53,11 +52,11 @@ def test_lora_adapter_round_trip_and_merge(tmp_path, overrides):
     # Training moved every kind of adapted weight: LoRA, aux embedding and couplings all change the predictions.
     assert (trained.logits - untouched.logits).abs().max() > 1e-3
     assert (trained.primary_logits - untouched.primary_logits).abs().max() > 1e-3
-    assert all(layer.aux_coupling.abs().max() > 0 for layer in peft_model.get_base_model().model.layers)
-    save_lora(peft_model, tmp_path / "adapter")
-    assert (tmp_path / "adapter" / AUX_COUPLING_FILE).is_file()
+    couplings = [layer.aux_coupling.modules_to_save.default.weight for layer in peft_model.get_base_model().model.layers]
+    assert all(coupling.abs().max() > 0 for coupling in couplings)
+    peft_model.save_pretrained(tmp_path / "adapter")  # plain PEFT: the couplings travel in modules_to_save
 
-    reloaded = load_lora(fresh_base(), tmp_path / "adapter").eval()
+    reloaded = PeftModel.from_pretrained(fresh_base(), tmp_path / "adapter").eval()
     assert isinstance(reloaded, PeftModel)
     with torch.no_grad():
         reloaded_out = reloaded(probe)
@@ -76,10 +75,3 @@ def test_lora_adapter_round_trip_and_merge(tmp_path, overrides):
     with torch.no_grad():
         saved_out = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(probe)
     torch.testing.assert_close(saved_out.logits, trained.logits, rtol=0, atol=1e-4)
-
-
-def test_load_lora_without_couplings_is_an_error(tmp_path):
-    peft_model = add_lora(tiny_model(), r=4)
-    peft_model.save_pretrained(tmp_path / "plain-peft")  # PEFT alone does not save the bare coupling parameters
-    with pytest.raises(DualFlowUserError, match=AUX_COUPLING_FILE):
-        load_lora(tiny_model(), tmp_path / "plain-peft")

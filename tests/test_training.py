@@ -116,7 +116,7 @@ def test_aux_only_trains_only_aux_params_and_keeps_primary_logits(tmp_path):
     make_trainer(model, blocks, None, tmp_path, max_steps=5, learning_rate=1e-2, disable_tqdm=True).train()
 
     aux_names = set(model.aux_parameter_names())
-    assert aux_names == {"model.aux_embed_tokens.weight"} | {f"model.layers.{i}.aux_coupling" for i in range(2)}
+    assert aux_names == {"model.aux_embed_tokens.weight"} | {f"model.layers.{i}.aux_coupling.weight" for i in range(2)}
     for name, parameter in model.named_parameters():
         changed = not torch.equal(parameter, before[name])
         assert changed == (name in aux_names), name
@@ -181,7 +181,7 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys):
     argv = ("--data", data, "--output-dir", out, "--lora", "--bf16", "--block-size", 32, "--batch-size", 4, "--max-steps", 2)
     assert run_cli(model_dir, *argv) == 0
     assert "eval loss after" in capsys.readouterr().out
-    assert {"adapter_config.json", "adapter_model.safetensors", "aux_coupling.safetensors"} <= {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
 
 
 @pytest.mark.parametrize(
