@@ -97,7 +97,8 @@ def test_parallel_plans_name_real_modules():
     names = {replace_layer_number_by_wildcard(name) for name, _ in model.named_modules()}
     names |= {replace_layer_number_by_wildcard(name) for name, _ in model.named_parameters()}
     config = model.config
-    for plan in (config.base_model_tp_plan, config.base_model_ep_plan, config.base_model_fsdp_plan, config.base_model_pp_plan):
+    base_plans = (config.base_model_tp_plan, config.base_model_ep_plan, config.base_model_fsdp_plan)
+    for plan in (*base_plans, config.base_model_pp_plan):
         assert {f"model.{key}" for key in plan} <= names, plan.keys() - {name[len("model.") :] for name in names}
     for plan in (model._tp_plan, model._fsdp_plan, model._pp_plan):
         assert plan.keys() <= names
@@ -180,7 +181,7 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
         assert result["same_greedy_tokens"], name
         # attention heads split over the 2 ranks; the aux flow's own weights replicated
         assert 2 * result["local_q_proj_rows"] == result["full_q_proj_rows"], name
-        assert not result["aux_embedding_sharded"] and not result["aux_coupling_sharded"], name
+        assert result["num_aux_parameters"] > 0 and result["sharded_aux_parameters"] == [], name
     assert results["moe_tp_remote_code"]["module"].startswith("transformers_modules")
     assert results["moe_tp"]["local_experts"] == 4  # TP splits every expert's matrices
     assert results["moe_ep"]["local_experts"] == results["moe_ep_eager_experts"]["local_experts"] == 2  # EP: 2 of 4

@@ -37,7 +37,10 @@ def local_rows(parameter) -> int:
 def compare(case: dict) -> dict:
     cls = model_class(case["path"], case["remote"])
     extra = {"experts_implementation": case["experts_implementation"]} if case.get("experts_implementation") else {}
-    parallel = DistributedConfig(tp_plan="auto") if case["parallel"] == "tp" else DistributedConfig(tp_size=2, ep_size=2)
+    if case["parallel"] == "tp":
+        parallel = DistributedConfig(tp_plan="auto")
+    else:
+        parallel = DistributedConfig(tp_size=2, ep_size=2)
     reference = cls.from_pretrained(case["path"], **extra).eval()
     sharded = cls.from_pretrained(case["path"], distributed_config=parallel, **extra).eval()
 
@@ -46,19 +49,24 @@ def compare(case: dict) -> dict:
     attention_mask = torch.ones_like(input_ids)
     attention_mask[0, :3] = 0  # left padding
     with torch.no_grad():
-        expected, actual = reference(input_ids, attention_mask=attention_mask), sharded(input_ids, attention_mask=attention_mask)
+        expected = reference(input_ids, attention_mask=attention_mask)
+        actual = sharded(input_ids, attention_mask=attention_mask)
     generate = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
+    same_tokens = torch.equal(reference.generate(input_ids, **generate), sharded.generate(input_ids, **generate))
     layer = sharded.model.layers[-1]
+    aux_names = set(sharded.aux_parameter_names())  # aux embedding and couplings: replicated, never sharded
     return {
         "module": type(sharded).__module__,
         "logits_max_diff": (expected.logits - actual.logits).abs().max().item(),
         "primary_logits_max_diff": (expected.primary_logits - actual.primary_logits).abs().max().item(),
-        "same_greedy_tokens": torch.equal(reference.generate(input_ids, **generate), sharded.generate(input_ids, **generate)),
+        "same_greedy_tokens": same_tokens,
         "local_q_proj_rows": local_rows(layer.self_attn.q_proj.weight),
         "full_q_proj_rows": layer.self_attn.q_proj.weight.shape[0],
         "local_experts": local_rows(layer.mlp.experts.gate_up_proj) if hasattr(layer.mlp, "experts") else None,
-        "aux_embedding_sharded": isinstance(sharded.model.aux_embed_tokens.weight, DTensor),
-        "aux_coupling_sharded": isinstance(layer.aux_coupling, DTensor),
+        "sharded_aux_parameters": [
+            name for name, param in sharded.named_parameters() if name in aux_names and isinstance(param, DTensor)
+        ],
+        "num_aux_parameters": len(aux_names),
     }
 
 
