@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -407,7 +407,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         if len(shape) != 2:
             raise ValueError(f"input_ids must have shape (batch, sequence_length), got {tuple(shape)}")
-        if input_ids is not None and input_ids.numel():
+        # Reading the ids back to the host would split a compiled decode step into several graphs.
+        if input_ids is not None and input_ids.numel() and not is_torchdynamo_compiling():
             low, high = int(input_ids.min()), int(input_ids.max())
             if low < 0 or high >= self.vocab_size:
                 bad = low if low < 0 else high
@@ -420,7 +421,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
                     "(batch, past + new tokens)"
                 )
 
-    def _grouped_attention_mask(self, primary_mask, num_primary, aux_positions, past_length):
+    def _grouped_attention_mask(self, primary_mask, num_primary, aux_positions, past_length, kv_length):
         """
         Mask and is_causal flag for the stacked query rows: an aux row reuses its position's primary mask row. Only
         sdpa ever skips the primary mask (eager always gets a float mask), so a mask built here is boolean.
@@ -432,12 +433,13 @@ class DualFlowModel(DualFlowPreTrainedModel):
         # The mask was skipped: plain causal attention with no padding.
         if num_primary == 1:
             return None, False  # decode: every row sees every cached key
-        if past_length == 0 and bool((aux_positions == num_primary - 1).all()):
+        # kv_length > past + T for a static cache: its empty slots must stay masked.
+        if past_length == 0 and kv_length == num_primary and bool((aux_positions == num_primary - 1).all()):
             # sdpa aligns is_causal top-left: rows >= T-1 see all T keys, exactly the last position's row.
             return None, True
         device = aux_positions.device
         query_pos = torch.cat([torch.arange(num_primary, device=device), aux_positions]) + past_length
-        mask = torch.arange(past_length + num_primary, device=device)[None, :] <= query_pos[:, None]
+        mask = torch.arange(kv_length, device=device)[None, :] <= query_pos[:, None]
         return mask[None, None], None
 
     @merge_with_config_defaults
@@ -494,7 +496,10 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_embeds = self.aux_embed_tokens(input_ids[:, aux_positions]).to(inputs_embeds.device)
             hidden_states = torch.cat([inputs_embeds, aux_embeds], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
-        grouped_mask, is_causal = self._grouped_attention_mask(primary_mask, num_primary, aux_positions, past_length)
+        kv_length = past_key_values.get_mask_sizes(num_primary, 0)[0] if past_key_values is not None else num_primary
+        grouped_mask, is_causal = self._grouped_attention_mask(
+            primary_mask, num_primary, aux_positions, past_length, kv_length
+        )
         position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
