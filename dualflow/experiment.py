@@ -169,13 +169,27 @@ def run_arms(arms, scale: TinyScale, seeds: list[int], train_tokens, val_blocks,
         entry["wall_s"] = _mean_spread([run["wall_s"] for run in runs])
         entry["runs"] = runs
         summary.append(entry)
+    add_paired_deltas(summary)
     return summary
+
+
+def add_paired_deltas(arms: list[dict]) -> None:
+    """
+    Per arm, `val_loss_delta`: its val loss minus the first arm's (the single-flow k=2 baseline) for the same seed,
+    mean / std over seeds. Same seed = same batches and same initial shared weights, so pairing removes most of the
+    seed-to-seed noise that the plain spread contains.
+    """
+    baseline = {run["seed"]: run["val_loss"] for run in arms[0]["runs"]}
+    for arm in arms:
+        deltas = [run["val_loss"] - baseline[run["seed"]] for run in arm["runs"] if run["seed"] in baseline]
+        arm["val_loss_delta"] = {"vs": arms[0]["name"], **_mean_spread(deltas)} if deltas else None
 
 
 def format_table(arms: list[dict]) -> str:
     header = [
         "arm",
         "val loss (mean ± std)",
+        "Δ vs first arm, paired",
         "primary-only val loss",
         "train MFLOP/tok",
         "train tokens",
@@ -190,6 +204,7 @@ def format_table(arms: list[dict]) -> str:
             [
                 arm["name"],
                 f"{arm['val_loss']['mean']:.4f} ± {arm['val_loss']['std']:.4f}",
+                f"{arm['val_loss_delta']['mean']:+.4f} ± {arm['val_loss_delta']['std']:.4f}",
                 f"{primary['mean']:.4f} ± {primary['std']:.4f}" if primary else "-",
                 f"{arm['train_flops_per_token'] / 1e6:.2f}",
                 f"{arm['train_tokens'] / 1e6:.2f}M",

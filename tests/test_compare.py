@@ -220,6 +220,9 @@ def test_experiment_quick_path_writes_json_and_plots(tmp_path, capsys):
         losses = [run["val_loss"] for run in arm["runs"]]
         assert abs(arm["val_loss"]["mean"] - sum(losses) / 2) < 1e-9 and arm["val_loss"]["std"] >= 0
         assert (arm["primary_val_loss"] is not None) == (arm["aux_top_k"] is not None)
+        baseline_losses = [run["val_loss"] for run in report["arms"][0]["runs"]]
+        deltas = [loss - base for loss, base in zip(losses, baseline_losses)]
+        assert abs(arm["val_loss_delta"]["mean"] - sum(deltas) / 2) < 1e-9
         assert len(arm["runs"][0]["train_curve"]) == 2 * arm["token_factor"]
     for name in ("loss_curves.png", "frontier.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
