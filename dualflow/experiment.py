@@ -176,8 +176,8 @@ def run_arms(arms, scale: TinyScale, seeds: list[int], train_tokens, val_blocks,
 def add_paired_deltas(arms: list[dict]) -> None:
     """
     Per arm, `val_loss_delta`: its val loss minus the first arm's (the single-flow k=2 baseline) for the same seed,
-    mean / std over seeds. Same seed = same batches and same initial shared weights, so pairing removes most of the
-    seed-to-seed noise that the plain spread contains.
+    mean / std over seeds. Same seed = same batches and same initial shared weights, so pairing removes the part of
+    the seed-to-seed noise that the arms share (at tiny scale that part can be small).
     """
     baseline = {run["seed"]: run["val_loss"] for run in arms[0]["runs"]}
     for arm in arms:
