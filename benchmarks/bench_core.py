@@ -3,8 +3,8 @@
     python benchmarks/bench_core.py [--hidden 384 --layers 6 --experts 16 --top-k 2 --aux-top-k 2 --prompt 512]
 
 Reports prefill time (dual / primary-only), decode time per token (grouped dual / primary-only / naive two-pass), and
-KV-cache bytes (dual vs the base model's cache). Measurements are interleaved (A B C A B C ...) and the median is
-reported, so background load hits every variant alike.
+KV-cache bytes (dual vs the base model's cache). Measurements are interleaved, in an order rotated every round, and
+the median is reported, so background load and warm caches favour no variant.
 """
 
 import argparse
@@ -83,9 +83,11 @@ def measure(model, args) -> dict:
     for fn in variants.values():  # warm-up
         fn()
     samples = {name: [] for name in variants}
-    for _ in range(args.repeats):
-        for name, fn in variants.items():
-            samples[name].append(timed(fn))
+    names = list(variants)
+    for repeat in range(args.repeats):
+        # rotate the order each round so no variant always runs right after the same neighbour
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            samples[name].append(timed(variants[name]))
     result = {name: statistics.median(values) for name, values in samples.items()}
     for name in ("decode_primary", "decode_dual_grouped", "decode_naive_two_pass"):
         result[name] /= args.decode_tokens
@@ -108,7 +110,7 @@ def main():
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode-context", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
 
     model = build_model(args)
