@@ -18,16 +18,12 @@ SUBCOMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dualflow", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="dualflow", description="Dual-Flow Transformers for transformers: convert, fine-tune, share and measure."
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
     for module_name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise
-            continue  # subcommand not shipped in this build
-        module.register(subparsers)
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 
