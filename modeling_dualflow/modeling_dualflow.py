@@ -242,19 +242,36 @@ class DualFlowSparseMoeBlock(nn.Module):
         return output.view(batch_size, num_rows, hidden_dim)
 
     def _route_two_fanouts(self, flat, router_probs, batch_size, num_rows, num_primary, aux_top_k):
-        # One experts call for both flows: every (row, expert) pair becomes a top-1 row, so primary rows cost k_p
-        # experts and aux rows k_a, and no "no expert" padding index ever reaches the kernels.
+        # The experts kernels take one top-k for all rows, so keep k_p: primary rows go in exactly as they are, and each
+        # aux row is cut into ceil(k_a / k_p) chunks of k_p (expert, weight) slots, the first in the row itself, the
+        # others in appended copies of it. Slots left over repeat the row's first expert with weight 0 (a real index:
+        # the kernels mishandle a "no expert" one). Prefill thus pays no extra expert compute for the aux flow's k_a.
+        k_p, hidden_dim = self.top_k, flat.shape[-1]
+        num_aux, chunks = num_rows - num_primary, -(-aux_top_k // k_p)
         probs = router_probs.view(batch_size, num_rows, -1)
-        weights_p, indices_p = self.gate.select(probs[:, :num_primary], self.top_k, flat.dtype)
-        weights_a, indices_a = self.gate.select(probs[:, num_primary:], aux_top_k, flat.dtype)
-        row_ids = torch.arange(batch_size * num_rows, device=flat.device).view(batch_size, num_rows, 1)
-        pair_rows = torch.cat(
-            [row_ids[:, :num_primary].expand_as(indices_p).reshape(-1), row_ids[:, num_primary:].expand_as(indices_a).reshape(-1)]
+        weights_p, indices_p = self.gate.select(probs[:, :num_primary], k_p, flat.dtype)  # (batch, T, k_p)
+        weights_a, indices_a = self.gate.select(probs[:, num_primary:], aux_top_k, flat.dtype)  # (batch, P, k_a)
+        padding = chunks * k_p - aux_top_k
+        if padding:
+            indices_a = torch.cat([indices_a, indices_a[..., :1].expand(-1, -1, padding)], dim=-1)
+            weights_a = F.pad(weights_a, (0, padding))
+        indices_a = indices_a.view(batch_size, num_aux, chunks, k_p)
+        weights_a = weights_a.view(batch_size, num_aux, chunks, k_p)
+        indices = torch.cat([indices_p, indices_a[:, :, 0]], dim=1).view(-1, k_p)
+        weights = torch.cat([weights_p, weights_a[:, :, 0]], dim=1).view(-1, k_p)
+        if chunks == 1:
+            return self.experts(flat, indices, weights)
+        aux_rows = flat.view(batch_size, num_rows, hidden_dim)[:, num_primary:]
+        extra_rows = aux_rows.unsqueeze(2).expand(-1, -1, chunks - 1, -1).reshape(-1, hidden_dim)
+        output = self.experts(
+            torch.cat([flat, extra_rows]),
+            torch.cat([indices, indices_a[:, :, 1:].reshape(-1, k_p)]),
+            torch.cat([weights, weights_a[:, :, 1:].reshape(-1, k_p)]),
         )
-        pair_experts = torch.cat([indices_p.reshape(-1), indices_a.reshape(-1)]).unsqueeze(-1)
-        pair_weights = torch.cat([weights_p.reshape(-1), weights_a.reshape(-1)]).unsqueeze(-1)
-        pair_output = self.experts(flat[pair_rows], pair_experts, pair_weights)
-        return torch.zeros_like(flat).index_add(0, pair_rows, pair_output)
+        output, extra_output = output.split([flat.shape[0], extra_rows.shape[0]])
+        extra_output = extra_output.view(batch_size, num_aux, chunks - 1, hidden_dim).sum(dim=2)
+        output = output.view(batch_size, num_rows, hidden_dim)
+        return torch.cat([output[:, :num_primary], output[:, num_primary:] + extra_output], dim=1).view(-1, hidden_dim)
 
 
 class DualFlowCoupling(nn.Module):
