@@ -37,7 +37,10 @@ def check_upload_folder(folder) -> str:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise DualFlowUserError(f"{folder} has no config.json: save the model there with save_pretrained first")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DualFlowUserError(f"{config_path} is not valid JSON: {error}") from None
     if config.get("model_type") != "dualflow":
         raise DualFlowUserError(f"{config_path} is a {config.get('model_type')!r} model, not a Dual-Flow one")
     missing = [name for name in AUTO_CLASSES if name not in (config.get("auto_map") or {})]
@@ -89,7 +92,7 @@ def push_folder(folder, repo_id: str, private: bool = False, token: str | None =
             folder_path=folder,
             commit_message=commit_message or f"Upload Dual-Flow {kind}",
         )
-    except OSError as error:  # HTTP errors and offline mode both derive from it
+    except Exception as error:  # HTTP status errors, offline mode, and transport errors (refused, DNS, timeout)
         raise DualFlowUserError(f"upload to {repo_id} failed: {str(error).splitlines()[0]}") from None
     return str(repo_url)
 
