@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import metadata_load
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from .errors import DualFlowUserError
@@ -214,9 +215,12 @@ def finetune(
         else:
             model.save_pretrained(staging)
             mode = "aux-only" if aux_only else "full"
+            source_card = Path(model_path) / "README.md"
             write_model_card(
                 staging,
                 model.config,
+                repo_id=str(output_dir),
+                license=(metadata_load(source_card) or {}).get("license") if source_card.is_file() else None,
                 extra=f"Fine-tuned ({mode}) with `dualflow finetune` on `{Path(data_path).name}`: "
                 f"eval loss {before:.4f} -> {after:.4f}.",
             )
