@@ -69,7 +69,8 @@ def main():
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dualflow-convert-bench-"))
     src, out = workdir / "src", workdir / "out"
-    shutil.rmtree(workdir / "src", ignore_errors=True)
+    for stale in (src, out, workdir / "warmup"):  # a rerun with the same --workdir: convert refuses an existing OUT
+        shutil.rmtree(stale, ignore_errors=True)
     make_checkpoint(src, args.hidden, args.layers)
     size = sum(path.stat().st_size for path in src.glob("*.safetensors"))
     shards = len(list(src.glob("*.safetensors")))
