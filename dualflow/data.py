@@ -44,7 +44,10 @@ def is_validation_file(path: Path, val_percent: int = 10) -> bool:
 
 
 def split_files(files: list[Path], val_percent: int = 10) -> tuple[list[Path], list[Path]]:
-    """(train files, validation files); both sides get at least one file when there are two or more."""
+    """(train files, validation files); both sides get at least one file when there are two or more, a single file
+    goes to train (callers split it by position)."""
+    if len(files) == 1:
+        return list(files), []
     validation = [path for path in files if is_validation_file(path, val_percent)]
     train = [path for path in files if not is_validation_file(path, val_percent)]
     if len(files) >= 2 and not validation:
