@@ -66,7 +66,8 @@ def run(args) -> int:
         converted = Path(args.out) if args.out else Path(tmp) / "tiny-dualflow"
         result = convert_checkpoint(source, converted, aux_top_k=4, verify=True, show_progress=False)
         print(f"2. converted to Dual-Flow (k_p=2, k_a=4) in {converted}")
-        print(f"   --verify (aux flow at k_a = k_p vs the source model): {result['parity']['summary']}")
+        print("   --verify (primary flow vs the source model; at k_a=4 the aux flow may differ):")
+        print(f"   {result['parity']['summary']}")
 
         model = AutoModelForCausalLM.from_pretrained(converted, trust_remote_code=True).eval()
         prompt_ids = torch.tensor([encode_bytes(PROMPT)])
