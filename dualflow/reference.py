@@ -33,8 +33,9 @@ def _moe_row(block, x, top_k):
 def aux_pass(model, input_ids, entering_states, cache, aux_positions, position_ids, attention_mask=None, aux_top_k=None):
     """
     Run the aux flow after the primary pass. `entering_states[l]`: (batch, T, hidden) primary state entering layer l;
-    `cache` holds the primary K/V including the T new tokens; `position_ids`: (batch, T); `attention_mask`: (batch,
-    past + T) or None. Returns aux logits (batch, P, vocab).
+    `cache` holds the primary K/V including the T new tokens (every key the aux rows may attend to: use a plain
+    `DynamicCache()`, not a sliding-window one that drops keys within the chunk); `position_ids`: (batch, T);
+    `attention_mask`: (batch, past + T) or None. Returns aux logits (batch, P, vocab).
     """
     config = model.config
     aux_top_k = aux_top_k or config.aux_num_experts_per_tok

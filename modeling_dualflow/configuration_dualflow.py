@@ -1,6 +1,7 @@
 """DualFlow model configuration."""
 
 from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
 
@@ -137,7 +138,16 @@ class DualFlowConfig(PreTrainedConfig):
 
     def _check_fields(self):
         """Raise a ValueError naming the first inconsistent field."""
-        positive = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "moe_intermediate_size",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -146,6 +156,10 @@ class DualFlowConfig(PreTrainedConfig):
                 f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
                 f"({self.num_attention_heads})"
             )
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not one of transformers' activations")
+        if self.clip_qkv is not None and self.clip_qkv <= 0:
+            raise ValueError(f"clip_qkv must be None or > 0, got {self.clip_qkv}")
         if self.qk_norm not in QK_NORM_KINDS:
             raise ValueError(f"qk_norm must be one of {QK_NORM_KINDS}, got {self.qk_norm!r}")
         if self.sliding_window is not None and self.sliding_window < 1:

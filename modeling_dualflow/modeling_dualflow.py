@@ -347,7 +347,8 @@ class DualFlowModelOutputWithPast(MoeModelOutputWithPast):
     aux_last_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_aux_positions, hidden_size)`, *optional*):
         Final-normed auxiliary flow states at `aux_positions`; `None` when the aux flow did not run.
     hidden_states / attentions / router_logits:
-        Per layer, over the stacked rows `[primary (T); aux (P)]` of that layer.
+        Per layer, over the stacked rows `[primary (T); aux (P)]` of that layer (router logits flattened to
+        `(batch * (T + P), num_experts)`); `hidden_states[-1]` is the last layer's output before the final norm.
     """
 
     aux_last_hidden_state: torch.FloatTensor | None = None
@@ -363,7 +364,11 @@ class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     hidden_states (`tuple(torch.FloatTensor)`, *optional*):
         Primary flow states (embeddings, then each layer's output).
     aux_hidden_states (`tuple(torch.FloatTensor)`, *optional*):
-        Aux flow states at the predicted positions (embeddings, then each layer's output).
+        Aux flow states at the predicted positions (embeddings, then each layer's output). In both tuples the last
+        entry is the final-normed state the LM head reads, as in transformers' causal LMs.
+    attentions / router_logits (*optional*):
+        Over the stacked rows `[primary (T); aux (P)]`: attentions `(batch, heads, T + P, keys)`, router logits
+        `(batch * (T + P), num_experts)` per layer.
     """
 
     primary_logits: torch.FloatTensor | None = None
@@ -428,7 +433,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
             raise ValueError(f"input_ids must have shape (batch, sequence_length), got {tuple(shape)}")
         # Reading the ids back to the host would split a compiled decode step into several graphs.
         if input_ids is not None and input_ids.numel() and not is_torchdynamo_compiling():
-            low, high = int(input_ids.min()), int(input_ids.max())
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync
             if low < 0 or high >= self.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(f"input_ids contain token id {bad} outside the vocabulary [0, {self.vocab_size})")
@@ -485,7 +490,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         self._check_inputs(input_ids, inputs_embeds, attention_mask, past_length)
         if aux_positions is not None and input_ids is None:
             raise ValueError("The aux flow embeds input_ids with its own table: pass input_ids, or use_aux_flow=False")
-        aux_top_k = aux_num_experts_per_tok or self.config.aux_num_experts_per_tok
+        aux_top_k = self.config.aux_num_experts_per_tok if aux_num_experts_per_tok is None else aux_num_experts_per_tok
         if self.config.num_experts and not 1 <= aux_top_k <= self.config.num_experts:
             raise ValueError(
                 f"aux_num_experts_per_tok must be in [1, num_experts={self.config.num_experts}], got {aux_top_k}"
@@ -540,6 +545,11 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_last_hidden_state=hidden_states[:, num_primary:] if aux_positions is not None else None,
             past_key_values=past_key_values,
         )
+
+
+def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bool:
+    """True when `logits_to_keep` asks for every position in order (a tensor may reorder or repeat positions)."""
+    return not isinstance(logits_to_keep, torch.Tensor) and (logits_to_keep == 0 or logits_to_keep >= seq_len)
 
 
 def aux_positions_for(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -643,9 +653,11 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
         use_aux_flow = self.config.use_aux_flow if use_aux_flow is None else use_aux_flow
-        seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        # shape[-1] / shape[-2]: a wrongly shaped input reaches the model's own one-line check, not an IndexError here
+        seq_len = input_ids.shape[-1] if input_ids is not None else inputs_embeds.shape[-2]
         device = (input_ids if input_ids is not None else inputs_embeds).device
         keep_positions = aux_positions_for(logits_to_keep, seq_len, device)
+        keep_all = keeps_every_position(logits_to_keep, seq_len)
 
         outputs: DualFlowModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -662,7 +674,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
 
         # One LM-head call over the rows that need logits; stacking on the batch dim keeps both halves contiguous.
         primary_rows = outputs.last_hidden_state
-        if keep_positions.numel() != seq_len:
+        if not keep_all:
             # `.to`: under a device_map the last layer may sit on another device than the inputs.
             primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
         if use_aux_flow:
@@ -673,7 +685,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
 
         loss = None
         if labels is not None:
-            if keep_positions.numel() != seq_len:
+            if not keep_all:
                 raise ValueError("labels need logits at every position: leave logits_to_keep at 0")
             loss = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
             if use_aux_flow:
@@ -683,9 +695,11 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         aux_loss = None
         hidden_states, aux_hidden_states, router_logits = outputs.hidden_states, None, outputs.router_logits
         if hidden_states is not None:
-            hidden_states = tuple(h[:, :seq_len] for h in outputs.hidden_states)
+            # As in every transformers causal LM, the last entry is the final-normed state the LM head reads.
+            hidden_states = tuple(h[:, :seq_len] for h in outputs.hidden_states[:-1]) + (outputs.last_hidden_state,)
             if use_aux_flow:
-                aux_hidden_states = tuple(h[:, seq_len:] for h in outputs.hidden_states)
+                aux_hidden_states = tuple(h[:, seq_len:] for h in outputs.hidden_states[:-1])
+                aux_hidden_states += (outputs.aux_last_hidden_state,)
         if output_router_logits and router_logits:
             aux_loss = self._router_balance_loss(router_logits, attention_mask, seq_len, keep_positions, use_aux_flow, aux_num_experts_per_tok)
             if loss is not None:
@@ -713,7 +727,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
     def _router_balance_loss(self, router_logits, attention_mask, seq_len, keep_positions, use_aux_flow, aux_top_k):
         """Switch-style balance loss of each flow over its own rows and top-k, summed."""
         num_experts = self.config.num_experts
-        aux_top_k = aux_top_k or self.config.aux_num_experts_per_tok
+        aux_top_k = self.config.aux_num_experts_per_tok if aux_top_k is None else aux_top_k
         num_rows = router_logits[0].shape[0] // (seq_len + (keep_positions.numel() if use_aux_flow else 0))
         per_row = [layer.view(num_rows, -1, num_experts) for layer in router_logits]
         # The padding mask is only usable when it covers exactly these positions (no cache).

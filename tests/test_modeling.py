@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_config, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from dualflow.reference import two_pass_forward
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
@@ -65,6 +66,11 @@ class TestConfig:
             ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
             ({"sliding_window": 0}, "sliding_window"),
             ({"hidden_size": 30, "head_dim": None}, "hidden_size"),
+            ({"head_dim": 0}, "head_dim"),
+            ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+            ({"intermediate_size": 0, "num_experts": 0}, "intermediate_size"),
+            ({"clip_qkv": -1.0}, "clip_qkv"),
+            ({"hidden_act": "nope"}, "hidden_act"),
         ],
     )
     def test_inconsistent_values_name_the_field(self, overrides, field):
@@ -124,9 +130,38 @@ class TestGroupedEqualsReference:
         )
         torch.testing.assert_close(step.logits, aux, atol=1e-5, rtol=0)
 
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
+    def test_chunked_prefill_with_padding(self, variant):
+        model = tiny_model(**VARIANTS[variant])
+        input_ids, attention_mask = left_padded_batch([7, 5])
+        cache, reference_cache = DualFlowCache(config=model.config), DynamicCache()
+        for chunk in (slice(0, 3), slice(3, 7)):
+            out = model(
+                input_ids[:, chunk], attention_mask=attention_mask[:, : chunk.stop], past_key_values=cache, use_cache=True
+            )
+            _, aux = two_pass_forward(
+                model,
+                input_ids[:, chunk],
+                reference_cache,
+                attention_mask=attention_mask[:, : chunk.stop],
+                position_ids=torch.arange(chunk.start, chunk.stop).unsqueeze(0),
+            )
+            rows = valid_rows(attention_mask[:, chunk])
+            torch.testing.assert_close(out.logits[rows], aux[rows], atol=1e-5, rtol=0)
+
+    def test_per_call_aux_top_k(self):
+        model = tiny_model()
+        input_ids = torch.randint(0, 97, (2, 6))
+        wide = model(input_ids, aux_num_experts_per_tok=4)
+        _, aux = two_pass_forward(model, input_ids, DynamicCache(), aux_top_k=4)
+        torch.testing.assert_close(wide.logits, aux, atol=1e-5, rtol=0)
+        assert (wide.logits - model(input_ids).logits).abs().max() > 1e-3
+        torch.testing.assert_close(wide.primary_logits, model(input_ids).primary_logits, atol=1e-5, rtol=0)
+
+    @pytest.mark.parametrize("aux_top_k", [1, 3, 4])  # 1 and 3 pad k_p-sized chunks with weight-0 slots
     @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
-    def test_experts_kernels_with_two_fanouts(self, implementation):
-        model = tiny_model(aux_num_experts_per_tok=4)
+    def test_experts_kernels_with_two_fanouts(self, implementation, aux_top_k):
+        model = tiny_model(aux_num_experts_per_tok=aux_top_k)
         model.set_experts_implementation(implementation)
         input_ids = torch.randint(0, 97, (2, 5))
         out = model(input_ids)
@@ -146,22 +181,26 @@ class TestPrimaryIsolation:
         keys = [layer.keys.clone() for layer in cache.layers] + [layer.values.clone() for layer in cache.layers]
         return out.primary_logits, out.hidden_states, keys
 
-    @pytest.mark.parametrize("variant", ["moe", "dense", "qwen2moe_shared_expert"])
-    def test_aux_parameters_top_k_and_switch_do_not_touch_primary(self, variant):
-        model = tiny_model(**VARIANTS[variant])
+    @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+    @pytest.mark.parametrize("logits_to_keep", [0, 1])
+    @pytest.mark.parametrize("variant", ["moe", "moe_ka_lt_kp", "dense", "qwen2moe_shared_expert", "sliding_window"])
+    def test_aux_parameters_top_k_and_switch_do_not_touch_primary(self, variant, logits_to_keep, attn):
+        model = tiny_model(attn_implementation=attn, **VARIANTS[variant])
         input_ids, attention_mask = left_padded_batch([6, 4])
-        baseline = self._primary_run(model, input_ids, attention_mask, use_aux_flow=False)
-        runs = [self._primary_run(model, input_ids, attention_mask, use_aux_flow=True)]
+        run = lambda **kwargs: self._primary_run(model, input_ids, attention_mask, logits_to_keep=logits_to_keep, **kwargs)  # noqa: E731
+        baseline = run(use_aux_flow=False)
+        runs = [run(use_aux_flow=True)]
         if model.config.num_experts:
-            runs.append(self._primary_run(model, input_ids, attention_mask, aux_num_experts_per_tok=4))
+            runs.append(run(aux_num_experts_per_tok=4))
         with torch.no_grad():
             model.model.aux_embed_tokens.weight.normal_()
             for layer in model.model.layers:
                 layer.aux_coupling.weight.normal_(std=3.0)
-        runs.append(self._primary_run(model, input_ids, attention_mask))
+        runs.append(run())
         rows = valid_rows(attention_mask)
+        logit_rows = rows if logits_to_keep == 0 else rows[:, -1:]
         for logits, hidden_states, cache_tensors in runs:
-            torch.testing.assert_close(logits[rows], baseline[0][rows], atol=1e-5, rtol=0)
+            torch.testing.assert_close(logits[logit_rows], baseline[0][logit_rows], atol=1e-5, rtol=0)
             for state, expected in zip(hidden_states, baseline[1]):
                 torch.testing.assert_close(state[rows], expected[rows], atol=1e-5, rtol=0)
             for tensor, expected in zip(cache_tensors, baseline[2]):
@@ -171,10 +210,13 @@ class TestPrimaryIsolation:
 class TestCachedEqualsUncached:
     """DESIGN §7.3: step-by-step decoding == one forward over the whole sequence."""
 
+    @pytest.mark.parametrize("attn", ["sdpa", "eager"])
     @pytest.mark.parametrize("use_aux_flow", [True, False])
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window"])
-    def test_generate_scores_match_full_forward(self, use_aux_flow, variant):
-        model = tiny_model(**VARIANTS[variant])
+    @pytest.mark.parametrize(
+        "variant", ["moe_ka_gt_kp", "moe_ka_lt_kp", "dense", "sliding_window", "olmoe_full_qk_norm_clip"]
+    )
+    def test_generate_scores_match_full_forward(self, use_aux_flow, variant, attn):
+        model = tiny_model(attn_implementation=attn, **VARIANTS[variant])
         input_ids, attention_mask = left_padded_batch([5, 3])
         generated = model.generate(
             input_ids,
@@ -228,12 +270,39 @@ class TestGenerate:
         expected = torch.multinomial(F.softmax(model(prompt).logits[:, -1], dim=-1), 1)
         assert first[:, 4:5].tolist() == expected.tolist()
 
-    def test_per_call_aux_top_k_equals_config_value(self):
+    def test_per_call_aux_top_k_reaches_every_step(self):
         model = tiny_model()
         prompt = torch.randint(0, 97, (1, 5))
-        per_call = model.generate(prompt, max_new_tokens=5, do_sample=False, aux_num_experts_per_tok=4)
-        model.config.aux_num_experts_per_tok = 4
-        assert model.generate(prompt, max_new_tokens=5, do_sample=False).tolist() == per_call.tolist()
+        kwargs = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        per_call = model.generate(prompt, aux_num_experts_per_tok=4, **kwargs)
+        full = model(per_call.sequences, aux_num_experts_per_tok=4).logits[:, 4:-1]
+        torch.testing.assert_close(torch.stack(per_call.logits, dim=1), full, atol=1e-5, rtol=0)
+        default = model.generate(prompt, **kwargs)
+        assert (torch.stack(per_call.logits, 1) - torch.stack(default.logits, 1)).abs().max() > 1e-3
+
+    @pytest.mark.parametrize("use_aux_flow", [True, False])
+    def test_beam_search_scores_match_full_forward(self, use_aux_flow):
+        # a wrong reorder_cache would score the beams with another beam's keys/values
+        model = tiny_model(aux_num_experts_per_tok=3)
+        input_ids, attention_mask = left_padded_batch([5, 3])
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=4,
+            num_beams=3,
+            num_return_sequences=3,
+            length_penalty=0.0,
+            do_sample=False,
+            use_aux_flow=use_aux_flow,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        mask = torch.cat([attention_mask.repeat_interleave(3, dim=0), torch.ones(6, 4, dtype=torch.long)], dim=1)
+        logits = model(out.sequences, attention_mask=mask, use_aux_flow=use_aux_flow).logits[:, 4:-1]
+        new_tokens = out.sequences[:, 5:]
+        expected = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).sum(dim=(1, 2))
+        torch.testing.assert_close(out.sequences_scores, expected, atol=1e-4, rtol=0)
 
     def test_speculative_decoding_matches_greedy(self):
         # candidates are verified with the aux flow on every candidate token, then the cache is cropped
@@ -300,10 +369,17 @@ class TestOutputsAndLoss:
 
     def test_balance_loss_is_per_flow(self):
         model = tiny_model(aux_num_experts_per_tok=3)
-        input_ids = torch.randint(0, 97, (1, 5))
-        on = model(input_ids, output_router_logits=True)
-        off = model(input_ids, output_router_logits=True, use_aux_flow=False)
-        assert on.aux_loss > off.aux_loss > 0  # the aux flow adds its own balance term
+        input_ids, attention_mask = left_padded_batch([6, 4])
+        out = model(input_ids, attention_mask=attention_mask, logits_to_keep=2, output_router_logits=True)
+        per_row = [layer.view(2, 8, 4) for layer in out.router_logits]  # (batch, T + P, experts)
+        primary = tuple(layer[:, :6].reshape(-1, 4) for layer in per_row)
+        aux = tuple(layer[:, 6:].reshape(-1, 4) for layer in per_row)
+        expected = load_balancing_loss_func(primary, 4, 2, attention_mask) + load_balancing_loss_func(
+            aux, 4, 3, attention_mask[:, 4:]
+        )
+        torch.testing.assert_close(out.aux_loss, expected)
+        off = model(input_ids, attention_mask=attention_mask, output_router_logits=True, use_aux_flow=False)
+        torch.testing.assert_close(off.aux_loss, load_balancing_loss_func(primary, 4, 2, attention_mask))
 
     def test_hidden_states_and_attentions_split_by_flow(self):
         model = tiny_model(attn_implementation="eager")
@@ -314,6 +390,22 @@ class TestOutputsAndLoss:
         torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(input_ids))
         torch.testing.assert_close(out.aux_hidden_states[0], model.model.aux_embed_tokens(input_ids[:, 4:]))
         assert out.attentions[0].shape == (2, 4, 6 + 2, 6)
+        # the last entry is what the LM head reads, as in transformers' causal LMs
+        torch.testing.assert_close(model.lm_head(out.hidden_states[-1][:, 4:]), out.primary_logits)
+        torch.testing.assert_close(model.lm_head(out.aux_hidden_states[-1]), out.logits)
+
+    def test_logits_to_keep_tensor_may_reorder_and_return_dict_false(self):
+        model = tiny_model()
+        input_ids = torch.randint(0, 97, (1, 4))
+        full = model(input_ids)
+        order = torch.tensor([3, 2, 1, 0])
+        reordered = model(input_ids, logits_to_keep=order)
+        torch.testing.assert_close(reordered.logits, full.logits[:, order])
+        torch.testing.assert_close(reordered.primary_logits, full.primary_logits[:, order])
+        with pytest.raises(ValueError, match="labels need logits at every position"):
+            model(input_ids, labels=input_ids, logits_to_keep=order)
+        as_tuple = model(input_ids, return_dict=False)
+        assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], full.logits)
 
     def test_gradient_checkpointing_gives_same_gradients(self):
         grads = []
@@ -368,6 +460,10 @@ class TestBadInputs:
         with pytest.raises(ValueError, match="token id -1"):
             tiny_model()(torch.tensor([[1, -1]]))
 
+    def test_one_dimensional_input_ids(self):
+        with pytest.raises(ValueError, match="input_ids must have shape"):
+            tiny_model()(torch.tensor([1, 2, 3]))
+
     def test_attention_mask_shape_mismatch(self):
         with pytest.raises(ValueError, match="attention_mask has shape"):
             tiny_model()(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 4, dtype=torch.long))
@@ -383,6 +479,8 @@ class TestBadInputs:
         model = tiny_model()
         with pytest.raises(ValueError, match="aux_num_experts_per_tok"):
             model(torch.tensor([[1, 2]]), aux_num_experts_per_tok=5)
+        with pytest.raises(ValueError, match="aux_num_experts_per_tok"):
+            model(torch.tensor([[1, 2]]), aux_num_experts_per_tok=0)
         with pytest.raises(ValueError, match="logits_to_keep"):
             model(torch.tensor([[1, 2]]), logits_to_keep=torch.tensor([2]))
 
