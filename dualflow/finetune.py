@@ -178,6 +178,10 @@ def finetune(
     """
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
+    if block_size < 2:  # a block of one token has no next token to predict: the loss would be NaN
+        raise DualFlowUserError(f"--block-size must be >= 2, got {block_size}")
+    if trainer_options.get("gradient_accumulation_steps", 1) < 1:
+        raise DualFlowUserError(f"--grad-accum must be >= 1, got {trainer_options['gradient_accumulation_steps']}")
     output_dir = Path(output_dir)
     _check_output_dir(output_dir)
     texts = read_texts(data_path)
