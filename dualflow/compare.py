@@ -517,6 +517,12 @@ def run(args) -> int:
     if args.decode_tokens < 1 or args.repeats < 1 or args.eval_tokens < 2:
         raise DualFlowUserError("--decode-tokens and --repeats must be >= 1, --eval-tokens >= 2")
     batch_sizes = _int_list(args.batch)
+    try:  # before loading or training anything
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise DualFlowUserError(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DualFlowUserError("--device cuda: torch sees no CUDA GPU here")
     if args.data:
         check_data_files(args.data)  # fail on a bad path before loading or training anything
     if args.threads is not None:
@@ -534,7 +540,7 @@ def run(args) -> int:
     limit = model.config.max_position_embeddings
     if max(prompt_lengths) > limit:
         raise DualFlowUserError(f"prompt length {max(prompt_lengths)} exceeds max_position_embeddings={limit}")
-    model.to(args.device)
+    model.to(device)
     tokens, data_names = data_tokens(args.data, tokenizer)
     block_size = min(128 if not args.model else 512, limit, args.eval_tokens)
     settings = CompareSettings(
