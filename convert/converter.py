@@ -114,7 +114,10 @@ def _publish(tmp_dir: Path, out: Path):
     trash = _sibling(out, "old")
     out.rename(trash)
     tmp_dir.rename(out)
-    shutil.rmtree(trash)
+    if trash.is_dir() and not trash.is_symlink():
+        shutil.rmtree(trash)
+    else:  # --overwrite of a file (or a link) named OUT
+        trash.unlink()
 
 
 def convert_checkpoint(
