@@ -516,6 +516,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     if args.decode_tokens < 1 or args.repeats < 1 or args.eval_tokens < 2:
         raise DualFlowUserError("--decode-tokens and --repeats must be >= 1, --eval-tokens >= 2")
+    if args.train_steps < 1:  # train_language_model reads 0 as "the default 400 steps"
+        raise DualFlowUserError(f"--train-steps must be >= 1, got {args.train_steps}")
     batch_sizes = _int_list(args.batch)
     try:  # before loading or training anything
         device = torch.device(args.device)
