@@ -2,8 +2,8 @@
 Share Dual-Flow checkpoints on the Hugging Face Hub (`dualflow push`).
 
 A shared model folder must load anywhere with `trust_remote_code=True`: config.json with `auto_map`, the three code
-files, the weights and a model card. `model.push_to_hub(...)` uploads the first three (save_pretrained writes them)
-but a generic card; `push_model` / `prepare_upload_folder` add the Dual-Flow card from `model_cards/`.
+files, the weights and a model card. `DualFlowForCausalLM.push_to_hub(...)` goes through `push_model`, which writes
+all of that, the Dual-Flow card from `model_cards/` included, and uploads it in one commit.
 """
 
 import json
@@ -78,8 +78,18 @@ def hub_token(token: str | None = None) -> str:
     return token
 
 
-def push_folder(folder, repo_id: str, private: bool = False, token: str | None = None, commit_message: str | None = None) -> str:
-    """Check `folder`, add the card if missing, create `repo_id` (if needed) and upload the folder; returns its URL."""
+def push_folder(
+    folder,
+    repo_id: str,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    **upload_kwargs,
+) -> str:
+    """
+    Check `folder`, add the card if missing, create `repo_id` (if needed) and upload the folder; returns its URL.
+    `upload_kwargs` (commit_description, revision, create_pr) go to `HfApi.upload_folder`.
+    """
     kind = check_upload_folder(folder)
     token = hub_token(token)
     if kind == "model" and ensure_model_card(folder, repo_id):
@@ -91,20 +101,21 @@ def push_folder(folder, repo_id: str, private: bool = False, token: str | None =
             repo_id=repo_url.repo_id,
             folder_path=folder,
             commit_message=commit_message or f"Upload Dual-Flow {kind}",
+            **upload_kwargs,
         )
     except Exception as error:  # HTTP status errors, offline mode, and transport errors (refused, DNS, timeout)
         raise DualFlowUserError(f"upload to {repo_id} failed: {str(error).splitlines()[0]}") from None
     return str(repo_url)
 
 
-def prepare_upload_folder(model, folder, tokenizer=None, **card_kwargs) -> Path:
+def prepare_upload_folder(model, folder, tokenizer=None, max_shard_size="50GB", **card_kwargs) -> Path:
     """
     Write exactly what should be shared into `folder`: config with auto_map, code files and weights (save_pretrained
     of a DualFlowForCausalLM), the tokenizer if given, and the Dual-Flow card (`card_kwargs` go to
-    `dualflow.model_card.render_model_card`, e.g. repo_id, base_model, license).
+    `dualflow.model_card.render_model_card`, e.g. repo_id, base_model, license, tags).
     """
     folder = Path(folder)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     write_model_card(folder, model.config, **card_kwargs)
@@ -112,12 +123,37 @@ def prepare_upload_folder(model, folder, tokenizer=None, **card_kwargs) -> Path:
     return folder
 
 
-def push_model(model, repo_id: str, tokenizer=None, private: bool = False, token: str | None = None, **card_kwargs) -> str:
-    """`model.push_to_hub` with the Dual-Flow card: prepare the folder in a temporary directory and upload it."""
+def push_model(
+    model,
+    repo_id: str,
+    tokenizer=None,
+    *,
+    commit_message: str | None = None,
+    commit_description: str | None = None,
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    max_shard_size="50GB",
+    **card_kwargs,
+) -> str:
+    """
+    `PreTrainedModel.push_to_hub` (same arguments) with the Dual-Flow card: prepare the folder in a temporary
+    directory and upload it in one commit. `card_kwargs` go to `render_model_card` (base_model, license, tags, ...).
+    """
     token = hub_token(token)
     with tempfile.TemporaryDirectory(prefix="dualflow-push-") as folder:
-        prepare_upload_folder(model, folder, tokenizer, repo_id=repo_id, **card_kwargs)
-        return push_folder(folder, repo_id, private=private, token=token)
+        prepare_upload_folder(model, folder, tokenizer, max_shard_size=max_shard_size, repo_id=repo_id, **card_kwargs)
+        return push_folder(
+            folder,
+            repo_id,
+            private=private,
+            token=token,
+            commit_message=commit_message,
+            commit_description=commit_description,
+            revision=revision,
+            create_pr=create_pr,
+        )
 
 
 def register(subparsers):

@@ -14,15 +14,17 @@ def render_model_card(
     conversion_command: str | None = None,
     parity: dict | None = None,
     extra: str | None = None,
+    tags: list[str] | None = None,
 ) -> ModelCard:
     """
     Card for a Dual-Flow checkpoint. `parity`: dict with source_class, max_abs_diff_aux, max_abs_diff_primary,
-    greedy_identical (as `dualflow convert --verify` reports it). `extra`: markdown appended to the body.
+    greedy_identical (as `dualflow convert --verify` reports it). `extra`: markdown appended to the body. `tags`:
+    added to the card's own (dual-flow, custom_code, moe).
     """
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
-        tags=["dual-flow", "custom_code"] + (["moe"] if config.num_experts else []),
+        tags=["dual-flow", "custom_code"] + (["moe"] if config.num_experts else []) + list(tags or []),
         base_model=base_model,
         license=license,
     )

@@ -615,6 +615,17 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
 
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """
+        `PreTrainedModel.push_to_hub` (same arguments) with the Dual-Flow model card, rendered by the `dualflow`
+        package. Where only this remote code is installed, transformers' generic card is uploaded instead.
+        """
+        try:
+            from dualflow.hub import push_model
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_model(self, repo_id, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # generate() would build a plain DynamicCache; give it ours unless the caller chose a cache.
         if (

@@ -50,7 +50,9 @@ def hermetic_env(tmp_path, **extra) -> dict:
 @pytest.fixture
 def upload_folder(tmp_path):
     model = tiny_model(vocab_size=384)
-    folder = prepare_upload_folder(model, tmp_path / "upload", ByT5Tokenizer(), repo_id="someone/tiny-dualflow")
+    folder = prepare_upload_folder(
+        model, tmp_path / "upload", ByT5Tokenizer(), repo_id="someone/tiny-dualflow", tags=["byte-level"]
+    )
     return model, folder
 
 
@@ -86,7 +88,7 @@ def test_card_metadata_is_valid_yaml(upload_folder):
     metadata = yaml.safe_load(card.split("---\n")[1])
     assert metadata["library_name"] == "transformers"
     assert metadata["pipeline_tag"] == "text-generation"
-    assert "dual-flow" in metadata["tags"]
+    assert {"dual-flow", "byte-level"} <= set(metadata["tags"])
     assert 'from_pretrained("someone/tiny-dualflow", trust_remote_code=True)' in card
 
 
@@ -124,11 +126,10 @@ PUSH_WITHOUT_TOKEN = textwrap.dedent(
     from conftest import tiny_model
     from dualflow.cli import main
     from dualflow.errors import DualFlowUserError
-    from dualflow.hub import push_model
 
     status = main(["push", sys.argv[1], "someone/tiny-dualflow"])
-    try:
-        push_model(tiny_model(), "someone/tiny-dualflow")
+    try:  # model.push_to_hub goes through dualflow.hub.push_model (the Dual-Flow card)
+        tiny_model().push_to_hub("someone/tiny-dualflow", commit_message="upload", max_shard_size="1MB")
         push_error = None
     except DualFlowUserError as error:
         push_error = str(error)
