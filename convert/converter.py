@@ -6,12 +6,11 @@ import uuid
 from pathlib import Path
 
 import torch
-from huggingface_hub import metadata_load
 from transformers.utils.hub import convert_file_size_to_int
 
 import modeling_dualflow
 from dualflow.errors import DualFlowUserError
-from dualflow.model_card import write_model_card
+from dualflow.model_card import license_of, write_model_card
 from modeling_dualflow import DualFlowConfig
 
 from .engine import plan_targets, write_checkpoint
@@ -22,7 +21,6 @@ from .verify import check_parity
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The files a remote-code load of the checkpoint imports (modeling_dualflow.py imports the other two).
-CODE_FILES = ("configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py")
 AUTO_MAP = {
     "AutoConfig": "configuration_dualflow.DualFlowConfig",
     "AutoModel": "modeling_dualflow.DualFlowModel",
@@ -84,11 +82,6 @@ def _copy_passthrough_files(src_dir: Path, out_dir: Path) -> list[str]:
                 shutil.copy2(path, out_dir / path.name)
                 copied.append(path.name)
     return copied
-
-
-def _source_license(src_dir: Path) -> str | None:
-    card = src_dir / "README.md"
-    return (metadata_load(card) or {}).get("license") if card.is_file() else None
 
 
 def _card_parity(parity: dict | None) -> dict | None:
@@ -172,7 +165,7 @@ def convert_checkpoint(
         summary = write_checkpoint(targets, source, tmp_dir, max_shard_bytes, show_progress)
         config.save_pretrained(tmp_dir)
         code_dir = Path(modeling_dualflow.__file__).parent
-        for name in CODE_FILES:
+        for name in modeling_dualflow.REMOTE_CODE_FILES:
             shutil.copy2(code_dir / name, tmp_dir / name)
         copied = _copy_passthrough_files(src_dir, tmp_dir)
         parity = check_parity(src_dir, tmp_dir, torch_dtype) if verify else None
@@ -183,7 +176,7 @@ def convert_checkpoint(
             config,
             repo_id=str(out),
             base_model=base_model,
-            license=_source_license(src_dir),
+            license=license_of(src_dir),
             conversion_command=conversion_command(src, out, aux_top_k, dtype, max_shard_size, verify),
             parity=_card_parity(parity),
         )

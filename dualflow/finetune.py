@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import metadata_load
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 from .errors import DualFlowUserError
 from .lora import add_lora
-from .model_card import write_model_card
+from .model_card import license_of, write_model_card
 
 
 def read_texts(path) -> list[str]:
@@ -219,12 +218,11 @@ def finetune(
         else:
             model.save_pretrained(staging)
             mode = "aux-only" if aux_only else "full"
-            source_card = Path(model_path) / "README.md"
             write_model_card(
                 staging,
                 model.config,
                 repo_id=str(output_dir),
-                license=(metadata_load(source_card) or {}).get("license") if source_card.is_file() else None,
+                license=license_of(model_path),
                 extra=f"Fine-tuned ({mode}) with `dualflow finetune` on `{Path(data_path).name}`: "
                 f"eval loss {before:.4f} -> {after:.4f}.",
             )

@@ -12,13 +12,12 @@ from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
 
-from modeling_dualflow import DualFlowConfig
+from modeling_dualflow import REMOTE_CODE_FILES, DualFlowConfig
 
 from .errors import DualFlowUserError
 from .model_card import write_model_card
 
 
-CODE_FILES = ("configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py")
 AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -48,7 +47,7 @@ def check_upload_folder(folder) -> str:
         raise DualFlowUserError(
             f"{config_path} auto_map lacks {', '.join(missing)}: save the model with the dualflow package imported"
         )
-    missing = [name for name in CODE_FILES if not (folder / name).is_file()]
+    missing = [name for name in REMOTE_CODE_FILES if not (folder / name).is_file()]
     if missing:
         raise DualFlowUserError(f"{folder} lacks the code files {', '.join(missing)}: save the model with save_pretrained")
     if not any((folder / name).is_file() for name in WEIGHT_FILES):

@@ -3,7 +3,7 @@
 from importlib import resources
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import ModelCard, ModelCardData, metadata_load
 
 
 def render_model_card(
@@ -46,6 +46,12 @@ def render_model_card(
         parity=parity,
         extra=extra,
     )
+
+
+def license_of(folder) -> str | None:
+    """The `license` in the YAML metadata of `folder/README.md`, if the folder has a card."""
+    card = Path(folder) / "README.md"
+    return (metadata_load(card) or {}).get("license") if card.is_file() else None
 
 
 def write_model_card(out_dir, config, **kwargs) -> Path:

@@ -14,7 +14,8 @@ from transformers import ByT5Tokenizer
 
 from dualflow.cli import main as cli_main
 from dualflow.errors import DualFlowUserError
-from dualflow.hub import CODE_FILES, check_upload_folder, ensure_model_card, prepare_upload_folder
+from dualflow.hub import check_upload_folder, ensure_model_card, prepare_upload_folder
+from modeling_dualflow import REMOTE_CODE_FILES
 
 
 REMOTE_LOAD = textwrap.dedent(
@@ -60,7 +61,7 @@ def test_upload_folder_loads_as_remote_code_in_fresh_process(upload_folder, tmp_
     model, folder = upload_folder
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_dualflow.DualFlowForCausalLM"
-    assert all((folder / name).is_file() for name in CODE_FILES + ("model.safetensors", "README.md"))
+    assert all((folder / name).is_file() for name in REMOTE_CODE_FILES + ("model.safetensors", "README.md"))
 
     probe = torch.randint(0, 384, (2, 9))
     torch.save(probe, tmp_path / "probe.pt")
