@@ -56,6 +56,7 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--out", help="keep the converted checkpoint in this folder (default: a temporary one)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.set_defaults(func=run)
 
 
@@ -64,7 +65,9 @@ def run(args) -> int:
         source = tiny_qwen3_moe(Path(tmp) / "tiny-qwen3-moe")
         print(f"1. built a random tiny Qwen3MoeForCausalLM (8 experts, top-2) in {source}")
         converted = Path(args.out) if args.out else Path(tmp) / "tiny-dualflow"
-        result = convert_checkpoint(source, converted, aux_top_k=4, verify=True, show_progress=False)
+        result = convert_checkpoint(
+            source, converted, aux_top_k=4, verify=True, overwrite=args.overwrite, show_progress=False
+        )
         print(f"2. converted to Dual-Flow (k_p=2, k_a=4) in {converted}")
         print("   --verify (primary flow vs the source model; at k_a=4 the aux flow may differ):")
         print(f"   {result['parity']['summary']}")
