@@ -34,7 +34,8 @@ def resolve_source(src: str | Path) -> tuple[Path, str | None]:
         raise DualFlowUserError(f"source folder {src} does not exist")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "README.md"]
+    # model*.safetensors: transformers' own files only (Mistral repos also hold a consolidated.safetensors copy)
+    patterns = ["*.json", "model*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "README.md"]
     try:
         return Path(snapshot_download(str(src), allow_patterns=patterns)), str(src)
     except Exception as error:  # offline, unknown repo, gated repo...: one line for the user either way
