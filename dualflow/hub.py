@@ -15,7 +15,7 @@ from huggingface_hub import HfApi, get_token
 from modeling_dualflow import REMOTE_CODE_FILES, DualFlowConfig
 
 from .errors import DualFlowUserError
-from .model_card import write_model_card
+from .model_card import retarget_model_card, write_model_card
 
 
 AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
@@ -93,6 +93,8 @@ def push_folder(
     token = hub_token(token)
     if kind == "model" and ensure_model_card(folder, repo_id):
         print(f"wrote a model card to {Path(folder) / 'README.md'}")
+    elif kind == "model" and retarget_model_card(folder, repo_id):
+        print(f"pointed the model card's usage snippets at {repo_id}")
     api = HfApi(token=token)
     try:
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")

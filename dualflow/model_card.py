@@ -1,5 +1,6 @@
 """Model cards for Dual-Flow checkpoints, rendered from `model_cards/dualflow.md` with huggingface_hub."""
 
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -46,6 +47,24 @@ def render_model_card(
         parity=parity,
         extra=extra,
     )
+
+
+def retarget_model_card(folder, repo_id: str) -> bool:
+    """
+    Point the title and usage snippets of the Dual-Flow card in `folder/README.md` at `repo_id` (cards written by
+    `dualflow convert` / `finetune` name the local folder); True when the card changed.
+    """
+    path = Path(folder) / "README.md"
+    if not path.is_file() or "dual-flow" not in ((metadata_load(path) or {}).get("tags") or []):
+        return False
+    card = path.read_text()
+    match = re.search(r'from_pretrained\("([^"]+)", trust_remote_code=True\)', card)
+    if match is None or match[1] == repo_id:
+        return False
+    old_name, new_name = (name.rstrip("/").split("/")[-1] for name in (match[1], repo_id))
+    card = card.replace(f'"{match[1]}"', f'"{repo_id}"').replace(f"\n# {old_name}\n", f"\n# {new_name}\n", 1)
+    path.write_text(card)
+    return True
 
 
 def license_of(folder) -> str | None:

@@ -15,6 +15,7 @@ from transformers import ByT5Tokenizer
 from dualflow.cli import main as cli_main
 from dualflow.errors import DualFlowUserError
 from dualflow.hub import check_upload_folder, ensure_model_card, prepare_upload_folder
+from dualflow.model_card import retarget_model_card, write_model_card
 from modeling_dualflow import REMOTE_CODE_FILES
 
 
@@ -91,6 +92,17 @@ def test_card_metadata_is_valid_yaml(upload_folder):
     assert metadata["pipeline_tag"] == "text-generation"
     assert {"dual-flow", "byte-level"} <= set(metadata["tags"])
     assert 'from_pretrained("someone/tiny-dualflow", trust_remote_code=True)' in card
+
+
+def test_card_of_a_local_folder_is_retargeted_to_the_repo(upload_folder):
+    model, folder = upload_folder
+    write_model_card(folder, model.config, repo_id="./tiny-local", conversion_command="dualflow convert src ./tiny-local")
+    assert retarget_model_card(folder, "someone/tiny-dualflow")
+    card = (folder / "README.md").read_text()
+    assert 'from_pretrained("someone/tiny-dualflow", trust_remote_code=True)' in card and "\n# tiny-dualflow\n" in card
+    assert "dualflow convert src ./tiny-local" in card  # the command that was run stays as it was
+    assert "dual-flow" in yaml.safe_load(card.split("---\n")[1])["tags"]
+    assert not retarget_model_card(folder, "someone/tiny-dualflow")
 
 
 def test_check_upload_folder_names_what_is_missing(upload_folder):
