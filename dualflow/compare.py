@@ -106,12 +106,6 @@ def build_variants(config) -> list[Variant]:
     return variants
 
 
-def expected_kv_cache_bytes(config, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
-    """Keys + values of every layer: 2 * layers * batch * kv_heads * seq * head_dim * bytes per element."""
-    element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * batch_size * config.num_key_value_heads * seq_len * config.head_dim * element
-
-
 @torch.no_grad()
 def kv_cache_bytes(model, variant: Variant, input_ids: torch.Tensor) -> int:
     """Bytes held by the cache after `variant` prefilled `input_ids`."""

@@ -15,7 +15,6 @@ from dualflow.compare import (
     CompareSettings,
     build_variants,
     compare_report,
-    expected_kv_cache_bytes,
     kv_cache_bytes,
     plot_report,
     primary_top_k,
@@ -28,6 +27,11 @@ from dualflow.tiny_lm import TinyScale, mean_token_nll, tiny_moe_config
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SMALL_TEXT_FILES = [STDLIB / name for name in ("textwrap.py", "string.py", "shlex.py", "colorsys.py", "bisect.py")]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def expected_kv_cache_bytes(config, batch_size: int, seq_len: int) -> int:
+    """fp32 keys + values of every layer: 2 * layers * batch * kv_heads * seq * head_dim * 4 bytes."""
+    return 2 * config.num_hidden_layers * batch_size * config.num_key_value_heads * seq_len * config.head_dim * 4
 
 
 def _hand_nll(model, blocks, **kwargs) -> float:
@@ -74,11 +78,9 @@ def test_kv_cache_bytes_formula_and_dual_equals_primary_only():
     config = model.config
     batch, seq = 3, 11
     input_ids = torch.randint(0, config.vocab_size, (batch, seq))
-    # 2 (k and v) * 2 layers * 3 batch * 2 kv heads * 11 tokens * 8 head_dim * 4 bytes (fp32)
-    assert expected_kv_cache_bytes(config, batch, seq, torch.float32) == 2 * 2 * 3 * 2 * 11 * 8 * 4
     measured = {variant.name: kv_cache_bytes(model, variant, input_ids) for variant in build_variants(config)}
-    assert set(measured.values()) == {2 * 2 * 3 * 2 * 11 * 8 * 4}
-    assert expected_kv_cache_bytes(config, 1, 5, torch.bfloat16) == 2 * 2 * 1 * 2 * 5 * 8 * 2
+    # 2 (k and v) * 2 layers * 3 batch * 2 kv heads * 11 tokens * 8 head_dim * 4 bytes (fp32), for every variant
+    assert set(measured.values()) == {2 * 2 * 3 * 2 * 11 * 8 * 4} == {expected_kv_cache_bytes(config, batch, seq)}
 
 
 def test_compare_report_schema_table_and_plot(tmp_path):
@@ -110,7 +112,7 @@ def test_compare_report_schema_table_and_plot(tmp_path):
         }
         assert set(metrics["prefill_ms"]) == {"8", "16"} and set(metrics["decode_tokens_per_s"]) == {"1", "2"}
         assert all(value > 0 for value in metrics["prefill_ms"].values())
-        assert metrics["kv_cache_bytes"] == expected_kv_cache_bytes(model.config, 1, 16, torch.float32)
+        assert metrics["kv_cache_bytes"] == expected_kv_cache_bytes(model.config, 1, 16)
         ratios = report["ratios_vs_primary_only"][name]
         assert (
             abs(
