@@ -93,7 +93,7 @@ def train_language_model(
 ) -> tuple[DualFlowForCausalLM, list[float]]:
     """
     Train from scratch; returns (model in eval mode, per-step training NLL of the prediction). The loss is the model's
-    own: CE(prediction) (+ primary_loss_weight * CE(primary) with the aux flow on) + router balance loss. The seed
+    own (from labels): CE(prediction) (+ primary_loss_weight * CE(primary) with the aux flow on) + router balance loss. The seed
     fixes both the initial weights and the sequence of batches, so arms with equal seeds see the same data.
     """
     steps = steps or scale.steps
@@ -105,15 +105,11 @@ def train_language_model(
     curve = []
     for _ in tqdm(range(steps), desc=desc, disable=not show_progress, leave=False):
         input_ids = random_batch(train_tokens, scale.batch_size, scale.block_size, batches)
-        outputs = model(input_ids, output_router_logits=True)
-        prediction_nll = next_token_nll(outputs.logits, input_ids)
-        loss = prediction_nll + config.router_aux_loss_coef * outputs.aux_loss
-        if config.use_aux_flow:
-            loss = loss + config.primary_loss_weight * next_token_nll(outputs.primary_logits, input_ids)
-        loss.backward()
+        outputs = model(input_ids, labels=input_ids, output_router_logits=True)
+        outputs.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        curve.append(prediction_nll.item())
+        curve.append(next_token_nll(outputs.logits.detach(), input_ids).item())
     return model.eval(), curve
