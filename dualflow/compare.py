@@ -32,6 +32,7 @@ from .data import (
     split_files,
     stdlib_source_files,
 )
+from .checkpoint import load_dualflow_config
 from .errors import DualFlowUserError
 from .reference import two_pass_forward
 from .tiny_lm import TinyScale, mean_token_nll, next_token_nll, tiny_moe_config, train_language_model
@@ -438,17 +439,11 @@ def builtin_model(steps: int, show_progress: bool = True) -> DualFlowForCausalLM
 
 def load_checkpoint(path: str) -> tuple[DualFlowForCausalLM, object | None]:
     """(model, tokenizer or None for byte-level) from a Dual-Flow folder."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise DualFlowUserError(f"{path} is not a model folder (no config.json)")
-    config = AutoConfig.from_pretrained(folder)
-    if config.model_type != "dualflow":
-        raise DualFlowUserError(
-            f"{path} is a {config.model_type!r} checkpoint, not a Dual-Flow one: convert it with `dualflow convert`"
-        )
-    model = DualFlowForCausalLM.from_pretrained(folder).eval()
+    config = load_dualflow_config(folder)
+    model = DualFlowForCausalLM.from_pretrained(folder, config=config).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError):

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
+from .checkpoint import load_dualflow_config
 from .errors import DualFlowUserError
 from .lora import add_lora
 from .model_card import license_of, write_model_card
@@ -139,18 +140,6 @@ def load_tokenizer(model_path):
             f"no tokenizer found for {model_path} ({str(error).splitlines()[0]}); "
             "save one into the model folder with tokenizer.save_pretrained(...)"
         ) from None
-
-
-def load_dualflow_config(model_path):
-    try:
-        config = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError) as error:
-        raise DualFlowUserError(f"cannot load a model config from {model_path} ({str(error).splitlines()[0]})") from None
-    if config.model_type != "dualflow":
-        raise DualFlowUserError(
-            f"{model_path} is a {config.model_type!r} model, not a Dual-Flow one: convert it first with `dualflow convert`"
-        )
-    return config
 
 
 def _check_output_dir(output_dir: Path):
