@@ -232,8 +232,8 @@ class DualFlowSparseMoeBlock(nn.Module):
         batch_size, num_rows, hidden_dim = hidden_states.shape
         flat = hidden_states.reshape(-1, hidden_dim)
         _, router_probs = self.gate(flat)
-        if num_rows == num_primary or aux_top_k == self.top_k:
-            weights, indices = self.gate.select(router_probs, self.top_k if num_rows == num_primary else aux_top_k, flat.dtype)
+        if num_rows == num_primary or aux_top_k == self.top_k:  # one fan-out for every row
+            weights, indices = self.gate.select(router_probs, self.top_k, flat.dtype)
             output = self.experts(flat, indices, weights)
         else:
             output = self._route_two_fanouts(flat, router_probs, batch_size, num_rows, num_primary, aux_top_k)
