@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from dualflow.reference import two_pass_forward
+from dualflow.instruments.reference import two_pass_forward
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 
 
@@ -95,7 +95,9 @@ def measure(model, args) -> dict:
     dual_cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
     base_cache = model(prompt, use_cache=True, logits_to_keep=1, use_aux_flow=False, past_key_values=DynamicCache())
     result["kv_bytes_dual"] = dual_cache.nbytes()
-    result["kv_bytes_base"] = sum(layer.keys.nbytes + layer.values.nbytes for layer in base_cache.past_key_values.layers)
+    result["kv_bytes_base"] = sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in base_cache.past_key_values.layers
+    )
     return result
 
 
@@ -116,7 +118,7 @@ def main():
     model = build_model(args)
     r = measure(model, args)
     rows = [
-        ("prefill %d tokens" % args.prompt, r["prefill_primary"], r["prefill_dual"], None),
+        (f"prefill {args.prompt} tokens", r["prefill_primary"], r["prefill_dual"], None),
         ("decode, per token", r["decode_primary"], r["decode_dual_grouped"], r["decode_naive_two_pass"]),
     ]
     print(
@@ -127,7 +129,9 @@ def main():
     for label, primary, dual, naive in rows:
         naive_cells = f"{naive * 1e3:>12.2f}ms{naive / primary:>8.2f}" if naive else f"{'-':>14}{'-':>8}"
         print(f"{label:22}{primary * 1e3:>12.2f}ms{dual * 1e3:>12.2f}ms{dual / primary:>8.2f}{naive_cells}")
-    print(f"{'KV cache bytes':22}{r['kv_bytes_base']:>14}{r['kv_bytes_dual']:>14}{r['kv_bytes_dual'] / r['kv_bytes_base']:>8.2f}")
+    print(
+        f"{'KV cache bytes':22}{r['kv_bytes_base']:>14}{r['kv_bytes_dual']:>14}{r['kv_bytes_dual'] / r['kv_bytes_base']:>8.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -89,9 +89,11 @@ def main():
         per_step["compiled"].extend(seconds[1:])
     eager_ms = statistics.median(per_step["eager"]) * 1e3
     compiled_ms = statistics.median(per_step["compiled"]) * 1e3
-    print(f"decode step, median of {len(per_step['eager'])}: eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms "
-          f"({eager_ms / compiled_ms:.2f}x); first compiled run incl. compilation {first_call:.1f} s; "
-          f"same greedy tokens: {eager_tokens == compiled_tokens}")
+    print(
+        f"decode step, median of {len(per_step['eager'])}: eager {eager_ms:.2f} ms, compiled {compiled_ms:.2f} ms "
+        f"({eager_ms / compiled_ms:.2f}x); first compiled run incl. compilation {first_call:.1f} s; "
+        f"same greedy tokens: {eager_tokens == compiled_tokens}"
+    )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ def build_config(source: SourceCheckpoint, aux_top_k: int | None, dtype: torch.d
     try:
         config = DualFlowConfig(**fields)
     except ValueError as error:
-        raise DualFlowUserError(f"{source.model_type} config cannot be expressed as a Dual-Flow config: {error}")
+        raise DualFlowUserError(
+            f"{source.model_type} config cannot be expressed as a Dual-Flow config: {error}"
+        ) from error
     config.architectures = ["DualFlowForCausalLM"]
     config.auto_map = dict(AUTO_MAP)
     config.dtype = dtype or source.config_dict.get("dtype") or source.config_dict.get("torch_dtype") or "float32"

@@ -6,8 +6,8 @@ matrices live in the layout `save_pretrained` writes by default. The fused layou
 uses transformers' in-memory names, which are Dual-Flow's names too.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from dualflow.errors import DualFlowUserError
 

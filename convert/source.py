@@ -40,7 +40,9 @@ def resolve_source(src: str | Path) -> tuple[Path, str | None]:
         return Path(snapshot_download(str(src), allow_patterns=patterns)), str(src)
     except Exception as error:  # offline, unknown repo, gated repo...: one line for the user either way
         reason = " ".join(str(error).split())
-        raise DualFlowUserError(f"{src} is not a local folder and could not be downloaded from the Hub: {reason}")
+        raise DualFlowUserError(
+            f"{src} is not a local folder and could not be downloaded from the Hub: {reason}"
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class SourceCheckpoint:
         try:
             config_dict = json.loads(config_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise DualFlowUserError(f"{config_path} is not valid JSON: {error}")
+            raise DualFlowUserError(f"{config_path} is not valid JSON: {error}") from error
         if not isinstance(config_dict, dict) or "model_type" not in config_dict:
             raise DualFlowUserError(f"{config_path} has no model_type")
         return config_dict
@@ -81,7 +83,7 @@ class SourceCheckpoint:
             return CONFIG_MAPPING[self.model_type].from_dict(self.config_dict)
         except Exception as error:  # strict dataclass validation raises several types; all mean a bad config.json
             message = " ".join(line.strip() for line in str(error).splitlines()) or type(error).__name__
-            raise DualFlowUserError(f"invalid {self.folder / 'config.json'}: {message}")
+            raise DualFlowUserError(f"invalid {self.folder / 'config.json'}: {message}") from error
 
     @cached_property
     def tensors(self) -> dict[str, TensorInfo]:
@@ -91,7 +93,7 @@ class SourceCheckpoint:
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise DualFlowUserError(f"{index_path} is not a valid safetensors index: {error}")
+                raise DualFlowUserError(f"{index_path} is not a valid safetensors index: {error}") from error
             files = sorted(set(weight_map.values()))
         elif (self.folder / SINGLE_FILE).is_file():
             weight_map, files = None, [SINGLE_FILE]
@@ -112,9 +114,9 @@ class SourceCheckpoint:
                         dtype = getattr(torch, _TORCH_DTYPE_NAMES[tensor_slice.get_dtype()])
                         tensors[key] = TensorInfo(path, tuple(tensor_slice.get_shape()), dtype)
             except (SafetensorError, OSError) as error:
-                raise DualFlowUserError(f"shard {name} is unreadable or truncated: {error}")
+                raise DualFlowUserError(f"shard {name} is unreadable or truncated: {error}") from error
             except KeyError as error:
-                raise DualFlowUserError(f"shard {name} holds a tensor of unsupported dtype {error}")
+                raise DualFlowUserError(f"shard {name} holds a tensor of unsupported dtype {error}") from error
         if weight_map is None:
             return tensors
         for key, name in weight_map.items():
@@ -133,4 +135,3 @@ class SourceCheckpoint:
         # earlier reads never accumulate in the resident set.
         with safe_open(self.info(key).file, framework="pt") as handle:
             return handle.get_tensor(key)
-

@@ -17,7 +17,9 @@ def load_dualflow_config(model_path):
     try:
         config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError) as error:
-        raise DualFlowUserError(f"cannot load a model config from {model_path} ({str(error).splitlines()[0]})") from None
+        raise DualFlowUserError(
+            f"cannot load a model config from {model_path} ({str(error).splitlines()[0]})"
+        ) from None
     if config.model_type != "dualflow":
         raise DualFlowUserError(
             f"{model_path} is a {config.model_type!r} model, not a Dual-Flow one: convert it first with `dualflow convert`"

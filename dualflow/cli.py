@@ -8,12 +8,12 @@ from .errors import DualFlowUserError
 
 
 SUBCOMMAND_MODULES = [
-    "dualflow.demo",
+    "dualflow.instruments.demo",
     "dualflow.convert.cli",
     "dualflow.finetune",
     "dualflow.hub",
-    "dualflow.compare",
-    "dualflow.experiment",
+    "dualflow.instruments.compare",
+    "dualflow.instruments.experiment",
 ]
 
 

@@ -29,7 +29,9 @@ def read_texts(path) -> list[str]:
     if not path.is_file():
         raise DualFlowUserError(f"data file {path} does not exist")
     if path.suffix not in (".txt", ".jsonl"):
-        raise DualFlowUserError(f"data file {path} must end in .txt (plain text) or .jsonl (one {{\"text\": ...}} per line)")
+        raise DualFlowUserError(
+            f'data file {path} must end in .txt (plain text) or .jsonl (one {{"text": ...}} per line)'
+        )
     try:
         content = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
@@ -232,7 +234,9 @@ def register(subparsers):
         description=__doc__.strip().splitlines()[0],
     )
     parser.add_argument("model", help="Dual-Flow model folder (or Hub id) with a tokenizer")
-    parser.add_argument("--data", required=True, help='FILE.txt (one document) or FILE.jsonl (one {"text": ...} per line)')
+    parser.add_argument(
+        "--data", required=True, help='FILE.txt (one document) or FILE.jsonl (one {"text": ...} per line)'
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--lora", action="store_true", help="train LoRA adapters + the aux parameters; saves the adapter")
     mode.add_argument("--aux-only", action="store_true", help="train only the aux embedding and couplings")

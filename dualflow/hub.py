@@ -31,7 +31,9 @@ def check_upload_folder(folder) -> str:
     if (folder / "adapter_config.json").is_file():  # a `dualflow finetune --lora` output
         missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
         if missing:
-            raise DualFlowUserError(f"adapter folder {folder} lacks {', '.join(missing)}: save it with PeftModel.save_pretrained")
+            raise DualFlowUserError(
+                f"adapter folder {folder} lacks {', '.join(missing)}: save it with PeftModel.save_pretrained"
+            )
         return "adapter"
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -49,7 +51,9 @@ def check_upload_folder(folder) -> str:
         )
     missing = [name for name in REMOTE_CODE_FILES if not (folder / name).is_file()]
     if missing:
-        raise DualFlowUserError(f"{folder} lacks the code files {', '.join(missing)}: save the model with save_pretrained")
+        raise DualFlowUserError(
+            f"{folder} lacks the code files {', '.join(missing)}: save the model with save_pretrained"
+        )
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise DualFlowUserError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)})")
     index_path = folder / "model.safetensors.index.json"
@@ -172,6 +176,8 @@ def register(subparsers):
 
 
 def run(args) -> int:
-    url = push_folder(args.folder, args.repo_id, private=args.private, token=args.token, commit_message=args.commit_message)
+    url = push_folder(
+        args.folder, args.repo_id, private=args.private, token=args.token, commit_message=args.commit_message
+    )
     print(f"uploaded {args.folder} to {url}")
     return 0

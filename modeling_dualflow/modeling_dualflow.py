@@ -712,7 +712,9 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
                 aux_hidden_states = tuple(h[:, seq_len:] for h in outputs.hidden_states[:-1])
                 aux_hidden_states += (outputs.aux_last_hidden_state,)
         if output_router_logits and router_logits:
-            aux_loss = self._router_balance_loss(router_logits, attention_mask, seq_len, keep_positions, use_aux_flow, aux_num_experts_per_tok)
+            aux_loss = self._router_balance_loss(
+                router_logits, attention_mask, seq_len, keep_positions, use_aux_flow, aux_num_experts_per_tok
+            )
             if loss is not None:
                 balance_loss = self.config.router_aux_loss_coef * aux_loss.to(loss.device)
                 # With `num_items_in_batch` (Trainer's gradient accumulation) the CE terms are already divided by the
@@ -742,7 +744,11 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         num_rows = router_logits[0].shape[0] // (seq_len + (keep_positions.numel() if use_aux_flow else 0))
         per_row = [layer.view(num_rows, -1, num_experts) for layer in router_logits]
         # The padding mask is only usable when it covers exactly these positions (no cache).
-        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == seq_len else None
+        mask = (
+            attention_mask
+            if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == seq_len
+            else None
+        )
         primary = tuple(layer[:, :seq_len].reshape(-1, num_experts) for layer in per_row)
         loss = load_balancing_loss_func(primary, num_experts, self.config.num_experts_per_tok, mask)
         if use_aux_flow:

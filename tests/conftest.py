@@ -3,6 +3,7 @@
 import os
 import tempfile
 
+
 # transformers reads HF_MODULES_CACHE at import: point it at a private folder before anything imports it.
 os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="dualflow-hf-modules-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

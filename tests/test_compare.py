@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from conftest import tiny_model
+
 from dualflow.cli import main
-from dualflow.compare import (
+from dualflow.instruments.compare import (
     BASELINE,
     SCHEMA,
     CompareSettings,
@@ -19,9 +19,9 @@ from dualflow.compare import (
     plot_report,
     primary_top_k,
 )
-from dualflow.data import decode_bytes, encode_bytes, split_files, stdlib_source_files
-from dualflow.experiment import ARMS, arm_costs, flow_forward_flops
-from dualflow.tiny_lm import TinyScale, mean_token_nll, tiny_moe_config
+from dualflow.instruments.data import decode_bytes, encode_bytes, split_files, stdlib_source_files
+from dualflow.instruments.experiment import ARMS, arm_costs, flow_forward_flops
+from dualflow.instruments.tiny_lm import TinyScale, mean_token_nll, tiny_moe_config
 
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -115,9 +115,7 @@ def test_compare_report_schema_table_and_plot(tmp_path):
         assert metrics["kv_cache_bytes"] == expected_kv_cache_bytes(model.config, 1, 16)
         ratios = report["ratios_vs_primary_only"][name]
         assert (
-            abs(
-                ratios["prefill_ms"]["8"] - metrics["prefill_ms"]["8"] / report["metrics"][BASELINE]["prefill_ms"]["8"]
-            )
+            abs(ratios["prefill_ms"]["8"] - metrics["prefill_ms"]["8"] / report["metrics"][BASELINE]["prefill_ms"]["8"])
             < 1e-9
         )
     assert report["ratios_vs_primary_only"][BASELINE]["kv_cache_bytes"] == 1.0
@@ -190,10 +188,10 @@ def test_byte_data_helpers():
 def test_flops_and_expert_counts():
     scale = TinyScale()
     config = tiny_moe_config(scale, top_k=2)
-    d, q, kv, E, I, V = 64, 64, 32, 8, 64, 256
-    per_layer = 2 * d * 2 * q + 2 * d * 2 * kv + 2 * 2 * 10 * q + 2 * d * E + 2 * 2 * 3 * d * I
+    d, q, kv, n_exp, inter, V = 64, 64, 32, 8, 64, 256
+    per_layer = 2 * d * 2 * q + 2 * d * 2 * kv + 2 * 2 * 10 * q + 2 * d * n_exp + 2 * 2 * 3 * d * inter
     assert flow_forward_flops(config, context=10, top_k=2) == 2 * per_layer + 2 * d * V
-    aux_layer = 2 * d * 2 * q + 2 * 2 * 10 * q + 2 * d * E + 4 * 2 * 3 * d * I
+    aux_layer = 2 * d * 2 * q + 2 * 2 * 10 * q + 2 * d * n_exp + 4 * 2 * 3 * d * inter
     assert flow_forward_flops(config, context=10, top_k=4, aux=True) == 2 * aux_layer + 2 * d * V
     costs = {
         arm.name: arm_costs(arm, tiny_moe_config(scale, arm.top_k, arm.aux_top_k, arm.depth_factor), scale)

@@ -54,15 +54,26 @@ FAMILIES = {
     "qwen2_moe": (
         Qwen2MoeForCausalLM,
         Qwen2MoeConfig(
-            **SHAPE, **EXPERTS, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
-            shared_expert_intermediate_size=36, mlp_only_layers=[1],
+            **SHAPE,
+            **EXPERTS,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            shared_expert_intermediate_size=36,
+            mlp_only_layers=[1],
         ),
     ),
     "qwen3_moe": (
         Qwen3MoeForCausalLM,
         Qwen3MoeConfig(
-            **SHAPE, **EXPERTS, head_dim=12, intermediate_size=40, moe_intermediate_size=24, num_experts=4,
-            norm_topk_prob=True, decoder_sparse_step=2,
+            **SHAPE,
+            **EXPERTS,
+            head_dim=12,
+            intermediate_size=40,
+            moe_intermediate_size=24,
+            num_experts=4,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
         ),
     ),
     "olmoe": (
@@ -78,7 +89,12 @@ FAMILIES = {
     "qwen3": (
         Qwen3ForCausalLM,
         Qwen3Config(
-            **SHAPE, head_dim=12, intermediate_size=40, use_sliding_window=True, sliding_window=6, max_window_layers=0,
+            **SHAPE,
+            head_dim=12,
+            intermediate_size=40,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=0,
         ),
     ),
 }
@@ -358,8 +374,13 @@ def _peak_rss_bytes(*args) -> int:
 
 def test_peak_memory_stays_near_largest_tensor(tmp_path):
     config = MixtralConfig(
-        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, num_local_experts=8,
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
     )
     MixtralForCausalLM(config).save_pretrained(tmp_path / "src", max_shard_size="20MB")
     checkpoint_bytes = sum(path.stat().st_size for path in (tmp_path / "src").glob("*.safetensors"))

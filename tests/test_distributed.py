@@ -134,7 +134,10 @@ def test_fsdp_training_matches_single_process(tmp_path):
     torchrun(SCRIPTS / "train_fsdp.py", tmp_path / "ckpt", tmp_path / "fsdp" / "result.json", "--fsdp", env=env)
     reference = subprocess.run(
         [sys.executable, str(SCRIPTS / "train_fsdp.py"), tmp_path / "ckpt", tmp_path / "single" / "result.json"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert reference.returncode == 0, reference.stderr[-5000:]
     sharded = json.loads((tmp_path / "fsdp" / "result.json").read_text())

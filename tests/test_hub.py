@@ -70,7 +70,11 @@ def test_upload_folder_loads_as_remote_code_in_fresh_process(upload_folder, tmp_
     script.write_text(REMOTE_LOAD)
     completed = subprocess.run(
         [sys.executable, str(script), str(folder), str(tmp_path / "probe.pt"), str(tmp_path / "result.pt")],
-        cwd=tmp_path, env=hermetic_env(tmp_path), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=hermetic_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = torch.load(tmp_path / "result.pt")
@@ -96,7 +100,9 @@ def test_card_metadata_is_valid_yaml(upload_folder):
 
 def test_card_of_a_local_folder_is_retargeted_to_the_repo(upload_folder):
     model, folder = upload_folder
-    write_model_card(folder, model.config, repo_id="./tiny-local", conversion_command="dualflow convert src ./tiny-local")
+    write_model_card(
+        folder, model.config, repo_id="./tiny-local", conversion_command="dualflow convert src ./tiny-local"
+    )
     assert retarget_model_card(folder, "someone/tiny-dualflow")
     card = (folder / "README.md").read_text()
     assert 'from_pretrained("someone/tiny-dualflow", trust_remote_code=True)' in card and "\n# tiny-dualflow\n" in card
@@ -159,7 +165,11 @@ def test_push_without_token_is_a_clear_error(upload_folder, tmp_path):
     tests_dir = os.path.dirname(__file__)
     completed = subprocess.run(
         [sys.executable, str(script), str(folder)],
-        cwd=tmp_path, env=hermetic_env(tmp_path, PYTHONPATH=tests_dir), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        env=hermetic_env(tmp_path, PYTHONPATH=tests_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     message = "no Hugging Face token: run `hf auth login`, set HF_TOKEN or pass --token"
     assert completed.stderr.strip().splitlines()[-1] == f"dualflow push: error: {message}"

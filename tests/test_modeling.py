@@ -13,7 +13,7 @@ from conftest import tiny_config, tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from dualflow.reference import two_pass_forward
+from dualflow.instruments.reference import two_pass_forward
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 
 
@@ -109,9 +109,7 @@ class TestGroupedEqualsReference:
         model = tiny_model(**VARIANTS[variant])
         input_ids = torch.randint(0, 97, (2, 6))
         out = model(input_ids, logits_to_keep=logits_to_keep)
-        positions = (
-            logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else torch.arange(6 - logits_to_keep, 6)
-        )
+        positions = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else torch.arange(6 - logits_to_keep, 6)
         _, aux = two_pass_forward(model, input_ids, DynamicCache(), aux_positions=positions)
         torch.testing.assert_close(out.logits, aux, atol=1e-5, rtol=0)
         assert out.logits.shape == (2, len(positions), 97) == out.primary_logits.shape
@@ -137,7 +135,10 @@ class TestGroupedEqualsReference:
         cache, reference_cache = DualFlowCache(config=model.config), DynamicCache()
         for chunk in (slice(0, 3), slice(3, 7)):
             out = model(
-                input_ids[:, chunk], attention_mask=attention_mask[:, : chunk.stop], past_key_values=cache, use_cache=True
+                input_ids[:, chunk],
+                attention_mask=attention_mask[:, : chunk.stop],
+                past_key_values=cache,
+                use_cache=True,
             )
             _, aux = two_pass_forward(
                 model,
@@ -187,7 +188,10 @@ class TestPrimaryIsolation:
     def test_aux_parameters_top_k_and_switch_do_not_touch_primary(self, variant, logits_to_keep, attn):
         model = tiny_model(attn_implementation=attn, **VARIANTS[variant])
         input_ids, attention_mask = left_padded_batch([6, 4])
-        run = lambda **kwargs: self._primary_run(model, input_ids, attention_mask, logits_to_keep=logits_to_keep, **kwargs)  # noqa: E731
+
+        def run(**kwargs):
+            return self._primary_run(model, input_ids, attention_mask, logits_to_keep=logits_to_keep, **kwargs)
+
         baseline = run(use_aux_flow=False)
         runs = [run(use_aux_flow=True)]
         if model.config.num_experts:

@@ -25,7 +25,9 @@ def test_lora_adapts_attention_and_fused_experts_and_trains_aux_in_full():
         assert {experts.parameter_name, experts.base_layer.parameter_name} == {"gate_up_proj", "down_proj"}
     trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
     assert "base_model.model.model.aux_embed_tokens.modules_to_save.default.weight" in trainable
-    assert {f"base_model.model.model.layers.{i}.aux_coupling.modules_to_save.default.weight" for i in range(2)} <= trainable
+    assert {
+        f"base_model.model.model.layers.{i}.aux_coupling.modules_to_save.default.weight" for i in range(2)
+    } <= trainable
     others = trainable - {name for name in trainable if "lora_" in name or "aux_" in name}
     assert not others
 
@@ -44,7 +46,9 @@ def test_lora_adapter_round_trip_and_merge(tmp_path, overrides):
     probe = blocks[:2]
 
     peft_model = add_lora(fresh_base(), r=4, lora_alpha=8)
-    make_trainer(peft_model, blocks, None, tmp_path / "work", max_steps=4, learning_rate=1e-2, disable_tqdm=True).train()
+    make_trainer(
+        peft_model, blocks, None, tmp_path / "work", max_steps=4, learning_rate=1e-2, disable_tqdm=True
+    ).train()
     peft_model.eval()
     with torch.no_grad():
         trained = peft_model(probe)
@@ -52,7 +56,9 @@ def test_lora_adapter_round_trip_and_merge(tmp_path, overrides):
     # Training moved every kind of adapted weight: LoRA, aux embedding and couplings all change the predictions.
     assert (trained.logits - untouched.logits).abs().max() > 1e-3
     assert (trained.primary_logits - untouched.primary_logits).abs().max() > 1e-3
-    couplings = [layer.aux_coupling.modules_to_save.default.weight for layer in peft_model.get_base_model().model.layers]
+    couplings = [
+        layer.aux_coupling.modules_to_save.default.weight for layer in peft_model.get_base_model().model.layers
+    ]
     assert all(coupling.abs().max() > 0 for coupling in couplings)
     peft_model.save_pretrained(tmp_path / "adapter")  # plain PEFT: the couplings travel in modules_to_save
 

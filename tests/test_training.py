@@ -34,11 +34,19 @@ def sgd_update(model, blocks, output_dir, labels=None, **trainer_options) -> tup
     """One plain-SGD step (lr 1, no clipping) over `blocks`: returns the parameter change (= -gradient) and the loss."""
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer = make_trainer(
-        model, blocks, None, output_dir, max_steps=1, learning_rate=1.0, optim="sgd", max_grad_norm=0.0,
-        disable_tqdm=True, **trainer_options,
+        model,
+        blocks,
+        None,
+        output_dir,
+        max_steps=1,
+        learning_rate=1.0,
+        optim="sgd",
+        max_grad_norm=0.0,
+        disable_tqdm=True,
+        **trainer_options,
     )
     if labels is not None:
-        trainer.train_dataset = [{"input_ids": i, "labels": l} for i, l in zip(blocks, labels)]
+        trainer.train_dataset = [{"input_ids": ids, "labels": lab} for ids, lab in zip(blocks, labels)]
     loss = trainer.train().training_loss
     return {name: p.detach() - before[name] for name, p in model.named_parameters()}, loss
 
@@ -51,8 +59,14 @@ def assert_same_update(update_a, update_b, atol=1e-6):
 def test_trainer_lowers_eval_loss(tmp_path):
     train_blocks, eval_blocks = split_blocks(stdlib_blocks(block_size=32), eval_fraction=0.1)
     trainer = make_trainer(
-        byte_model(output_router_logits=True), train_blocks, eval_blocks, tmp_path,
-        max_steps=30, learning_rate=3e-3, batch_size=8, disable_tqdm=True,
+        byte_model(output_router_logits=True),
+        train_blocks,
+        eval_blocks,
+        tmp_path,
+        max_steps=30,
+        learning_rate=3e-3,
+        batch_size=8,
+        disable_tqdm=True,
     )
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
@@ -83,8 +97,12 @@ def test_router_balance_loss_not_scaled_by_gradient_accumulation(tmp_path):
     with_items = byte_model(**overrides)
     classic = byte_model(**overrides)
     classic.accepts_loss_kwargs = False  # Trainer then neither passes num_items_in_batch nor trusts its scaling
-    update_items, loss_items = sgd_update(with_items, blocks, tmp_path / "a", batch_size=2, gradient_accumulation_steps=2)
-    update_classic, loss_classic = sgd_update(classic, blocks, tmp_path / "b", batch_size=2, gradient_accumulation_steps=2)
+    update_items, loss_items = sgd_update(
+        with_items, blocks, tmp_path / "a", batch_size=2, gradient_accumulation_steps=2
+    )
+    update_classic, loss_classic = sgd_update(
+        classic, blocks, tmp_path / "b", batch_size=2, gradient_accumulation_steps=2
+    )
     assert loss_items == pytest.approx(loss_classic, rel=1e-5)
     assert_same_update(update_items, update_classic)
 
@@ -157,7 +175,9 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     data.write_text(stdlib_text("textwrap.py", chars=6000), encoding="utf-8")
     common = ("--block-size", 32, "--batch-size", 4, "--max-steps", 4, "--lr", 1e-2)
 
-    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "full", "--gradient-checkpointing", *common) == 0
+    assert (
+        run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "full", "--gradient-checkpointing", *common) == 0
+    )
     output = capsys.readouterr().out
     before = float(output.split("eval loss before: ")[1].split()[0])
     after = float(output.split("eval loss after: ")[1].split()[0])
@@ -178,7 +198,20 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys):
     lines = stdlib_text("textwrap.py", chars=6000).split("\n\n")
     data.write_text("\n".join(json.dumps({"text": chunk, "id": i}) for i, chunk in enumerate(lines)) + "\n")
     out = tmp_path / "adapter"
-    argv = ("--data", data, "--output-dir", out, "--lora", "--bf16", "--block-size", 32, "--batch-size", 4, "--max-steps", 2)
+    argv = (
+        "--data",
+        data,
+        "--output-dir",
+        out,
+        "--lora",
+        "--bf16",
+        "--block-size",
+        32,
+        "--batch-size",
+        4,
+        "--max-steps",
+        2,
+    )
     assert run_cli(model_dir, *argv) == 0
     assert "eval loss after" in capsys.readouterr().out
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}

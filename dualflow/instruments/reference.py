@@ -30,7 +30,9 @@ def _moe_row(block, x, top_k):
 
 
 @torch.no_grad()
-def aux_pass(model, input_ids, entering_states, cache, aux_positions, position_ids, attention_mask=None, aux_top_k=None):
+def aux_pass(
+    model, input_ids, entering_states, cache, aux_positions, position_ids, attention_mask=None, aux_top_k=None
+):
     """
     Run the aux flow after the primary pass. `entering_states[l]`: (batch, T, hidden) primary state entering layer l;
     `cache` holds the primary K/V including the T new tokens (every key the aux rows may attend to: use a plain
@@ -77,7 +79,9 @@ def aux_pass(model, input_ids, entering_states, cache, aux_positions, position_i
 
 
 @torch.no_grad()
-def two_pass_forward(model, input_ids, cache, attention_mask=None, position_ids=None, aux_positions=None, aux_top_k=None):
+def two_pass_forward(
+    model, input_ids, cache, attention_mask=None, position_ids=None, aux_positions=None, aux_top_k=None
+):
     """Primary pass (fills `cache`), then the aux pass. Returns (primary_logits (B,T,V), aux_logits (B,P,V))."""
     num_new = input_ids.shape[1]
     past = cache.get_seq_length()

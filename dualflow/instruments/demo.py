@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from ..convert import convert_checkpoint
 from .compare import CompareSettings, compare_report, data_tokens, load_checkpoint
-from .convert import convert_checkpoint
 from .data import BYTE_VOCAB_SIZE, decode_bytes, encode_bytes
 
 

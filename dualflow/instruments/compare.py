@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 
 from modeling_dualflow import DualFlowCache, DualFlowForCausalLM
 
+from ..checkpoint import load_dualflow_config
+from ..errors import DualFlowUserError
 from .data import (
     BYTE_VOCAB_SIZE,
     check_data_files,
@@ -32,8 +34,6 @@ from .data import (
     split_files,
     stdlib_source_files,
 )
-from .checkpoint import load_dualflow_config
-from .errors import DualFlowUserError
 from .reference import two_pass_forward
 from .tiny_lm import TinyScale, mean_token_nll, next_token_nll, tiny_moe_config, train_language_model
 
@@ -87,9 +87,7 @@ class Variant:
                 return mean_token_nll(model, blocks, batch_size, use_aux_flow=self.use_aux_flow)
             # Same-length blocks: the mean of per-block means is the token mean.
             losses = [
-                next_token_nll(
-                    two_pass_forward(model, block[None], DualFlowCache(config=model.config))[1], block[None]
-                )
+                next_token_nll(two_pass_forward(model, block[None], DualFlowCache(config=model.config))[1], block[None])
                 for block in blocks.to(model.device)
             ]
             return float(torch.stack(losses).mean())
@@ -450,7 +448,7 @@ def load_checkpoint(path: str) -> tuple[DualFlowForCausalLM, object | None]:
         if config.vocab_size < BYTE_VOCAB_SIZE:
             raise DualFlowUserError(
                 f"{path} has no tokenizer and a vocabulary of {config.vocab_size} < 256: cannot use byte-level tokens"
-            )
+            ) from None
         tokenizer = None
     return model, tokenizer
 
@@ -487,9 +485,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("model", nargs="?", help="Dual-Flow model folder (default: a built-in tiny MoE)")
     parser.add_argument("--data", nargs="+", help="text files to score and cut prompts from (default: stdlib sources)")
-    parser.add_argument(
-        "--prompt-lengths", help="prefill prompt lengths (default 128,512,2048; built-in: 64,256,1024)"
-    )
+    parser.add_argument("--prompt-lengths", help="prefill prompt lengths (default 128,512,2048; built-in: 64,256,1024)")
     parser.add_argument("--batch", default="1,8", help="decode batch sizes (default 1,8)")
     parser.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed per run (default 32)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats per timing (median; default 5)")
@@ -547,9 +543,7 @@ def run(args) -> int:
     print(report["table"])
     print(f"prefill: batch 1. decode: {settings.decode_tokens} tokens after {settings.decode_prompt_length} prompt")
     print(f"peak memory: {report['peak_memory_method']}")
-    print(
-        f"val loss: mean next-token NLL over {report['settings']['eval_tokens']} tokens of {len(data_names)} file(s)"
-    )
+    print(f"val loss: mean next-token NLL over {report['settings']['eval_tokens']} tokens of {len(data_names)} file(s)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import DualFlowUserError
+from ..errors import DualFlowUserError
 
 
 BYTE_VOCAB_SIZE = 256

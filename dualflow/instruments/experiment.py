@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import DualFlowUserError
 from .data import check_data_files, eval_blocks, read_byte_tokens, split_files, stdlib_source_files
-from .errors import DualFlowUserError
 from .tiny_lm import TinyScale, mean_token_nll, tiny_moe_config, train_language_model
 
 
@@ -320,7 +320,9 @@ def register(subparsers) -> None:
         help="train tiny MoE LMs from scratch: single-flow vs dual-flow arms, same tokens and seeds",
         description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--quick", action="store_true", help="a smoke run of well under 3 minutes (too short to conclude anything)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run of well under 3 minutes (too short to conclude anything)"
+    )
     parser.add_argument("--data", nargs="+", help="text files (default: the Python standard library sources)")
     parser.add_argument("--seeds", type=int, help="seeds per arm (default 3; --quick: 2)")
     parser.add_argument("--steps", type=int, help="training steps per arm (the 2x-tokens arm runs twice as many)")
