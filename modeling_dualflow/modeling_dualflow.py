@@ -1,4 +1,4 @@
-"""PyTorch Dual-Flow causal LM (arXiv 2608.12385, design in DESIGN.md).
+"""PyTorch Dual-Flow causal LM (arXiv 2608.12385; design: docs/design.md in the dualflow-transformers repository).
 
 Every layer works on one stacked tensor `(batch, T + P, hidden)`: rows `[:T]` are the primary flow (all input
 positions), rows `[T:]` are the auxiliary flow at the `P` positions whose next token is predicted. Shared weights see
@@ -553,7 +553,7 @@ def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bo
 
 
 def aux_positions_for(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
-    """Sequence indices whose logits are requested (DESIGN §5b): 0 = all, int k = last k, tensor = those indices."""
+    """Sequence indices whose logits are requested (docs/design.md §5b): 0 = all, int k = last k, tensor = those indices."""
     if isinstance(logits_to_keep, torch.Tensor):
         positions = logits_to_keep.to(device=device, dtype=torch.long).reshape(-1)
         positions = torch.where(positions < 0, positions + seq_len, positions)

@@ -124,7 +124,7 @@ def save_source(model, folder: Path, layout: str) -> Path:
 
 @torch.no_grad()
 def assert_parity(source, out_dir: Path, aux_matches: bool = True):
-    """DESIGN §7.2: logits at every position within 1e-4 (aux on and off), identical greedy generations."""
+    """docs/design.md §7.2: logits at every position within 1e-4 (aux on and off), identical greedy generations."""
     converted = DualFlowForCausalLM.from_pretrained(out_dir).eval()
     reference = source(PROMPT).logits
     primary = converted(PROMPT, use_aux_flow=False).logits

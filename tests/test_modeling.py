@@ -1,4 +1,4 @@
-"""Tiny-config tester for DualFlowConfig / DualFlowForCausalLM / DualFlowCache (DESIGN §7 invariants 1, 3, 4, 5)."""
+"""Tiny-config tester for DualFlowConfig / DualFlowForCausalLM / DualFlowCache (docs/design.md §7 invariants 1, 3, 4, 5)."""
 
 import json
 import os
@@ -89,7 +89,7 @@ class TestConfig:
 
 
 class TestGroupedEqualsReference:
-    """DESIGN §7.4: grouped execution == the slow two-pass reference."""
+    """docs/design.md §7.4: grouped execution == the slow two-pass reference."""
 
     @pytest.mark.parametrize("variant", VARIANTS)
     @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -172,7 +172,7 @@ class TestGroupedEqualsReference:
 
 
 class TestPrimaryIsolation:
-    """DESIGN §7.1: primary states, logits and cache ignore everything about the aux flow."""
+    """docs/design.md §7.1: primary states, logits and cache ignore everything about the aux flow."""
 
     def _primary_run(self, model, input_ids, attention_mask, **kwargs):
         cache = DualFlowCache(config=model.config)
@@ -212,7 +212,7 @@ class TestPrimaryIsolation:
 
 
 class TestCachedEqualsUncached:
-    """DESIGN §7.3: step-by-step decoding == one forward over the whole sequence."""
+    """docs/design.md §7.3: step-by-step decoding == one forward over the whole sequence."""
 
     @pytest.mark.parametrize("attn", ["sdpa", "eager"])
     @pytest.mark.parametrize("use_aux_flow", [True, False])
@@ -328,7 +328,7 @@ class TestGenerate:
 
 
 class TestKvBytes:
-    """DESIGN §7.5: the cache is the base model's cache."""
+    """docs/design.md §7.5: the cache is the base model's cache."""
 
     def test_dualflow_cache_bytes_equal_base_model_cache(self):
         model = tiny_model(qk_norm="per_head", aux_num_experts_per_tok=4)

@@ -1,4 +1,4 @@
-"""Slow, obviously-correct two-pass Dual-Flow reference (DESIGN §7.4).
+"""Slow, obviously-correct two-pass Dual-Flow reference (docs/design.md §7.4).
 
 Pass 1 runs the primary flow alone (filling the cache); pass 2 walks the aux flow through the layers one row at a
 time with explicit loops: masks built from positions, experts applied one by one from the fused weights. The model
