@@ -129,12 +129,27 @@ class DualFlowConfig(PreTrainedConfig):
             self.mlp_only_layers = []
         if self.aux_num_experts_per_tok is None:
             self.aux_num_experts_per_tok = self.num_experts_per_tok
-        if self.qk_norm == "full":
-            plan = {key: style for key, style in type(self).base_model_tp_plan.items() if not key.endswith("_norm")}
-            self.base_model_tp_plan = plan | self.full_qk_norm_attention_tp_plan
         # Checked here rather than in a `validate_*` hook: @strict wraps those errors in a non-ValueError type.
         self._check_fields()
+        self._plans_for_existing_modules()
         super().__post_init__(**kwargs)
+
+    def _plans_for_existing_modules(self):
+        """The tensor-parallel plan names only modules this config builds (experts, dense MLPs, q/k norms)."""
+        plan = dict(type(self).base_model_tp_plan)
+        if self.qk_norm == "full":
+            plan = {key: style for key, style in plan.items() if not key.endswith("_norm")}
+            plan |= self.full_qk_norm_attention_tp_plan
+        elif self.qk_norm is None:
+            plan = {key: style for key, style in plan.items() if not key.endswith("_norm")}
+        moe_layers = [self.is_moe_layer(i) for i in range(self.num_hidden_layers)]
+        if not any(moe_layers):
+            plan = {key: style for key, style in plan.items() if ".experts" not in key}
+        if all(moe_layers):
+            dense_mlp = ("layers.*.mlp.gate_proj", "layers.*.mlp.up_proj", "layers.*.mlp.down_proj")
+            plan = {key: style for key, style in plan.items() if key not in dense_mlp}
+        if plan != type(self).base_model_tp_plan:
+            self.base_model_tp_plan = plan
 
     def _check_fields(self):
         """Raise a ValueError naming the first inconsistent field."""

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -27,6 +26,8 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
@@ -153,52 +154,21 @@ class DualFlowAttention(nn.Module):
         return self.o_proj(attn_output), attn_weights
 
 
-class DualFlowMLP(nn.Module):
-    def __init__(self, config: DualFlowConfig, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+class DualFlowMLP(Qwen2MoeMLP):
+    """Gated MLP: the dense layers' MLP and the Qwen2-MoE shared expert (transformers' Qwen2-MoE MLP, unchanged)."""
 
 
 @use_experts_implementation
-class DualFlowExperts(nn.Module):
-    """Routed experts stored fused, the transformers 5 way (so experts kernels and PEFT target_parameters apply)."""
-
-    def __init__(self, config: DualFlowConfig):
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        # hidden_states: (rows, hidden); top_k_index / top_k_weights: (rows, k)
-        final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            # One class more: expert parallelism marks routes to another rank's experts with index num_experts.
-            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in expert_hit:
-            expert_idx = expert_idx[0]
-            if expert_idx == self.num_experts:
-                continue
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-            out = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
-            out = out * top_k_weights[token_idx, top_k_pos, None]
-            final_hidden_states.index_add_(0, token_idx, out.to(final_hidden_states.dtype))
-        return final_hidden_states
+class DualFlowExperts(Qwen3MoeExperts):
+    """
+    Routed experts stored fused, exactly transformers' Qwen3-MoE experts (so experts kernels and PEFT
+    target_parameters apply). Declared here with the decorator because transformers picks the default experts kernel
+    (grouped_mm) by finding `@use_experts_implementation` in the model file's own source.
+    """
 
 
-class DualFlowTopKRouter(nn.Module):
-    """Router shared by both flows; each flow applies its own top-k to the same probabilities."""
+class DualFlowRouter(nn.Module):
+    """Router shared by both flows: `forward` scores every expert, each flow then picks its own top-k with `select`."""
 
     def __init__(self, config: DualFlowConfig):
         super().__init__()
@@ -207,7 +177,8 @@ class DualFlowTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
 
     def forward(self, hidden_states):
-        router_logits = F.linear(hidden_states, self.weight)  # (rows, num_experts)
+        """Router logits and probabilities over all experts, `(rows, num_experts)` each."""
+        router_logits = F.linear(hidden_states, self.weight)
         router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
         return router_logits, router_probs
 
@@ -222,7 +193,7 @@ class DualFlowSparseMoeBlock(nn.Module):
     def __init__(self, config: DualFlowConfig):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.gate = DualFlowTopKRouter(config)
+        self.gate = DualFlowRouter(config)
         self.experts = DualFlowExperts(config)
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = DualFlowMLP(config, config.shared_expert_intermediate_size)
@@ -342,16 +313,20 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
 @dataclass
 class DualFlowModelOutputWithPast(MoeModelOutputWithPast):
     r"""
-    last_hidden_state (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`):
-        Final-normed primary flow states.
+    last_hidden_state, hidden_states, attentions, router_logits, past_key_values:
+        The primary flow's, exactly as a Qwen3-MoE model of the same config returns them (`hidden_states[-1]` is the
+        final-normed state; `router_logits` is `None` for a dense model).
     aux_last_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_aux_positions, hidden_size)`, *optional*):
         Final-normed auxiliary flow states at `aux_positions`; `None` when the aux flow did not run.
-    hidden_states / attentions / router_logits:
-        Per layer, over the stacked rows `[primary (T); aux (P)]` of that layer (router logits flattened to
-        `(batch * (T + P), num_experts)`); `hidden_states[-1]` is the last layer's output before the final norm.
+    aux_hidden_states / aux_attentions / aux_router_logits (*optional*):
+        The same per-layer outputs for the aux rows: states `(batch, P, hidden)`, attentions `(batch, heads, P, keys)`,
+        router logits `(batch * P, num_experts)`.
     """
 
     aux_last_hidden_state: torch.FloatTensor | None = None
+    aux_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    aux_attentions: tuple[torch.FloatTensor, ...] | None = None
+    aux_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
 @dataclass
@@ -361,18 +336,29 @@ class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
         The prediction: aux flow logits when the aux flow is on, primary logits when it is off.
     primary_logits (`torch.FloatTensor`):
         Primary flow logits at the same positions.
-    hidden_states (`tuple(torch.FloatTensor)`, *optional*):
-        Primary flow states (embeddings, then each layer's output).
-    aux_hidden_states (`tuple(torch.FloatTensor)`, *optional*):
-        Aux flow states at the predicted positions (embeddings, then each layer's output). In both tuples the last
-        entry is the final-normed state the LM head reads, as in transformers' causal LMs.
-    attentions / router_logits (*optional*):
-        Over the stacked rows `[primary (T); aux (P)]`: attentions `(batch, heads, T + P, keys)`, router logits
-        `(batch * (T + P), num_experts)` per layer.
+    aux_loss (`torch.FloatTensor`, *optional*):
+        The router load-balancing loss (transformers' name for it): each flow's Switch-style loss over its own rows and
+        top-k, summed; padding positions are left out. Returned when `output_router_logits` is on (MoE models only).
+    hidden_states / attentions / router_logits (*optional*):
+        The primary flow's, with the shapes and meaning a Qwen3-MoE model of the same config gives them.
+    aux_hidden_states / aux_attentions / aux_router_logits (*optional*):
+        The aux flow's at the predicted positions (see `DualFlowModelOutputWithPast`); `aux_hidden_states[-1]` is the
+        final-normed state the LM head reads.
     """
 
     primary_logits: torch.FloatTensor | None = None
     aux_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    aux_attentions: tuple[torch.FloatTensor, ...] | None = None
+    aux_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+def split_rows(per_layer: tuple | None, num_primary: int, dim: int) -> tuple[tuple | None, tuple | None]:
+    """Split each layer's stacked `[primary; aux]` rows along `dim`; `None` entries (unselected layers) stay `None`."""
+    if per_layer is None:
+        return None, None
+    primary = tuple(x if x is None else x.narrow(dim, 0, num_primary) for x in per_layer)
+    aux = tuple(x if x is None else x.narrow(dim, num_primary, x.shape[dim] - num_primary) for x in per_layer)
+    return primary, aux
 
 
 class DualFlowPreTrainedModel(PreTrainedModel):
@@ -386,13 +372,21 @@ class DualFlowPreTrainedModel(PreTrainedModel):
     # Flash / flex kernels cannot take the stacked [primary; aux] query rows with a copied mask row.
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # Serving engines' attention backends (vLLM / TGI through transformers) assume one query row per key row written
+    # to their paged cache; the aux rows break that. Engines use `dualflow.serving` instead.
     _supports_attention_backend = False
-    _can_compile_fullgraph = False
+    # Both flows, both expert fan-outs and a static cache trace into one graph (tests/test_compile.py).
+    _can_compile_fullgraph = True
+    # Recorded over the stacked rows; `DualFlowModel.forward` splits them into the primary and the aux flow's fields.
     _can_record_outputs = {
-        "router_logits": OutputRecorder(DualFlowTopKRouter, index=0),
+        "router_logits": OutputRecorder(DualFlowRouter, index=0),
         "hidden_states": DualFlowDecoderLayer,
         "attentions": OutputRecorder(DualFlowAttention, index=1),
     }
+
+    def _can_set_experts_implementation(self) -> bool:
+        # transformers asks the class (the decorator is in this file); a dense config has no experts to run with a kernel
+        return self.config.num_experts > 0 and super()._can_set_experts_implementation()
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -401,7 +395,7 @@ class DualFlowPreTrainedModel(PreTrainedModel):
         if isinstance(module, DualFlowExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
-        elif isinstance(module, DualFlowTopKRouter):
+        elif isinstance(module, DualFlowRouter):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, DualFlowCoupling):
             init.zeros_(module.weight)
@@ -425,18 +419,25 @@ class DualFlowModel(DualFlowPreTrainedModel):
     def get_aux_input_embeddings(self) -> nn.Embedding:
         return self.aux_embed_tokens
 
-    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_length):
+    def _check_inputs(self, input_ids, inputs_embeds, aux_inputs_embeds, attention_mask, past_length):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         if len(shape) != 2:
             raise ValueError(f"input_ids must have shape (batch, sequence_length), got {tuple(shape)}")
-        # Reading the ids back to the host would split a compiled decode step into several graphs.
-        if input_ids is not None and input_ids.numel() and not is_torchdynamo_compiling():
-            low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one host sync
-            if low < 0 or high >= self.vocab_size:
-                bad = low if low < 0 else high
-                raise ValueError(f"input_ids contain token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        if aux_inputs_embeds is not None and tuple(aux_inputs_embeds.shape[:-1]) != tuple(shape):
+            raise ValueError(
+                f"aux_inputs_embeds has shape {tuple(aux_inputs_embeds.shape)}, expected {(*shape, 'hidden')} "
+                "(one row per input position)"
+            )
+        # Only where reading the ids is free: on an accelerator `.tolist()` would stall every decode step on a
+        # device-to-host copy (and the embedding lookup raises its own error there).
+        if input_ids is not None and input_ids.device.type == "cpu" and input_ids.numel():
+            if not is_torchdynamo_compiling():  # a host read would split a compiled decode step into several graphs
+                low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+                if low < 0 or high >= self.vocab_size:
+                    bad = low if low < 0 else high
+                    raise ValueError(f"input_ids contain token id {bad} outside the vocabulary [0, {self.vocab_size})")
         if attention_mask is not None and attention_mask.dim() == 2:
             expected = (shape[0], past_length + shape[1])
             if tuple(attention_mask.shape) != expected:
@@ -466,8 +467,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         mask = torch.arange(kv_length, device=device)[None, :] <= query_pos[:, None]
         return mask[None, None], None
 
-    @merge_with_config_defaults
-    @capture_outputs(tie_last_hidden_states=False)
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -477,20 +477,85 @@ class DualFlowModel(DualFlowPreTrainedModel):
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         aux_positions: torch.LongTensor | None = None,
+        aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowModelOutputWithPast:
         r"""
         aux_positions (`torch.LongTensor` of shape `(num_aux_positions,)`, *optional*):
             Sequence indices at which the auxiliary flow runs; `None` runs the primary flow only.
+        aux_inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
+            Where the aux flow starts. The aux row of a position starts from `aux_inputs_embeds` when given, else from
+            the aux embedding of its id, else (no ids: `inputs_embeds` only) from its `inputs_embeds` row.
         aux_num_experts_per_tok (`int`, *optional*):
             Expert top-k of the aux flow for this call; defaults to `config.aux_num_experts_per_tok`.
         """
+        stacked = self._stacked_forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            aux_positions=aux_positions,
+            aux_inputs_embeds=aux_inputs_embeds,
+            aux_num_experts_per_tok=aux_num_experts_per_tok,
+            return_dict=True,
+            **kwargs,
+        )
+        num_primary = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+        last_hidden_state, aux_last_hidden_state = stacked.last_hidden_state.split(
+            [num_primary, stacked.last_hidden_state.shape[1] - num_primary], dim=1
+        )
+        hidden_states, aux_hidden_states = split_rows(stacked.hidden_states, num_primary, dim=1)
+        if hidden_states and hidden_states[-1] is not None:
+            # As in transformers' language models, the last entry is the final-normed state.
+            hidden_states = hidden_states[:-1] + (last_hidden_state,)
+            aux_hidden_states = aux_hidden_states[:-1] + (aux_last_hidden_state,)
+        attentions, aux_attentions = split_rows(stacked.attentions, num_primary, dim=2)
+        router_logits = aux_router_logits = None
+        if stacked.router_logits:  # (batch * (T + P), num_experts) per layer; none in a dense model
+            batch_size = last_hidden_state.shape[0]
+            per_row = tuple(layer.view(batch_size, -1, layer.shape[-1]) for layer in stacked.router_logits)
+            router_logits, aux_router_logits = (
+                tuple(layer.reshape(-1, layer.shape[-1]) for layer in flow)
+                for flow in split_rows(per_row, num_primary, dim=1)
+            )
+        if aux_positions is None:
+            aux_last_hidden_state = aux_hidden_states = aux_attentions = aux_router_logits = None
+        return DualFlowModelOutputWithPast(
+            last_hidden_state=last_hidden_state,
+            past_key_values=stacked.past_key_values,
+            hidden_states=hidden_states,
+            attentions=attentions,
+            router_logits=router_logits,
+            aux_last_hidden_state=aux_last_hidden_state,
+            aux_hidden_states=aux_hidden_states,
+            aux_attentions=aux_attentions,
+            aux_router_logits=aux_router_logits,
+        )
+
+    @merge_with_config_defaults
+    @capture_outputs(tie_last_hidden_states=False)
+    def _stacked_forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        aux_positions: torch.LongTensor | None = None,
+        aux_inputs_embeds: torch.FloatTensor | None = None,
+        aux_num_experts_per_tok: int | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
+        """The layers over the stacked rows `[primary (T); aux (P)]`; every recorded output covers both flows."""
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        self._check_inputs(input_ids, inputs_embeds, attention_mask, past_length)
-        if aux_positions is not None and input_ids is None:
-            raise ValueError("The aux flow embeds input_ids with its own table: pass input_ids, or use_aux_flow=False")
+        self._check_inputs(input_ids, inputs_embeds, aux_inputs_embeds, attention_mask, past_length)
         aux_top_k = self.config.aux_num_experts_per_tok if aux_num_experts_per_tok is None else aux_num_experts_per_tok
+        if aux_num_experts_per_tok is not None and not self.config.num_experts:
+            raise ValueError("aux_num_experts_per_tok needs a MoE model (num_experts > 0); this model is dense")
         if self.config.num_experts and not 1 <= aux_top_k <= self.config.num_experts:
             raise ValueError(
                 f"aux_num_experts_per_tok must be in [1, num_experts={self.config.num_experts}], got {aux_top_k}"
@@ -516,9 +581,14 @@ class DualFlowModel(DualFlowPreTrainedModel):
         hidden_states = inputs_embeds
         row_positions = position_ids
         if aux_positions is not None:
+            if aux_inputs_embeds is not None:
+                aux_embeds = aux_inputs_embeds[:, aux_positions]
+            elif input_ids is not None:
+                aux_embeds = self.aux_embed_tokens(input_ids[:, aux_positions])
+            else:  # no ids to look up: start from the given rows (exact at the upcycling init, E_aux == E)
+                aux_embeds = inputs_embeds[:, aux_positions]
             # `.to`: a device_map may put the two embedding tables on different devices.
-            aux_embeds = self.aux_embed_tokens(input_ids[:, aux_positions]).to(inputs_embeds.device)
-            hidden_states = torch.cat([inputs_embeds, aux_embeds], dim=1)
+            hidden_states = torch.cat([inputs_embeds, aux_embeds.to(inputs_embeds.device)], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
         kv_length = past_key_values.get_mask_sizes(num_primary, 0)[0] if past_key_values is not None else num_primary
         grouped_mask, is_causal = self._grouped_attention_mask(
@@ -539,12 +609,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 **kwargs,
             )
 
-        hidden_states = self.norm(hidden_states)
-        return DualFlowModelOutputWithPast(
-            last_hidden_state=hidden_states[:, :num_primary],
-            aux_last_hidden_state=hidden_states[:, num_primary:] if aux_positions is not None else None,
-            past_key_values=past_key_values,
-        )
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
 
 def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bool:
@@ -552,8 +617,11 @@ def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bo
     return not isinstance(logits_to_keep, torch.Tensor) and (logits_to_keep == 0 or logits_to_keep >= seq_len)
 
 
-def aux_positions_for(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
-    """Sequence indices whose logits are requested (docs/design.md §5b): 0 = all, int k = last k, tensor = those indices."""
+def positions_to_keep(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
+    """
+    Sequence indices whose logits are requested (docs/design.md §5b): 0 = all, int k = last k, tensor = those indices.
+    Both flows' logits are taken there, and the aux flow runs there.
+    """
     if isinstance(logits_to_keep, torch.Tensor):
         positions = logits_to_keep.to(device=device, dtype=torch.long).reshape(-1)
         positions = torch.where(positions < 0, positions + seq_len, positions)
@@ -615,27 +683,20 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
 
-    def push_to_hub(self, repo_id: str, **kwargs) -> str:
-        """
-        `PreTrainedModel.push_to_hub` (same arguments) with the Dual-Flow model card, rendered by the `dualflow`
-        package. Where only this remote code is installed, transformers' generic card is uploaded instead.
-        """
-        try:
-            from dualflow.hub import push_model
-        except ImportError:
-            return super().push_to_hub(repo_id, **kwargs)
-        return push_model(self, repo_id, **kwargs)
-
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        # generate() would build a plain DynamicCache; give it ours unless the caller chose a cache.
-        if (
-            model_kwargs.get("past_key_values") is None
-            and generation_config.use_cache is not False
-            and generation_config.cache_implementation in (None, "dynamic")
-        ):
-            model_kwargs["past_key_values"] = DualFlowCache(config=self.config)
-            return
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        # transformers builds a plain DynamicCache (for an assistant model, one that records its past so it can be
+        # cropped). DualFlowCache only adds methods, no state: re-type that very cache so everything set up stays.
+        cache = model_kwargs.get("past_key_values")
+        if type(cache) is DynamicCache:
+            cache.__class__ = DualFlowCache
+
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, aux_inputs_embeds=None, **kwargs):
+        model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+        # Like `inputs_embeds`, `aux_inputs_embeds` covers the prompt: it is used where the prompt's embeddings are.
+        if aux_inputs_embeds is not None and model_inputs.get("inputs_embeds") is not None:
+            model_inputs["aux_inputs_embeds"] = aux_inputs_embeds[:, -model_inputs["inputs_embeds"].shape[1] :]
+        return model_inputs
 
     @can_return_tuple
     def forward(
@@ -650,6 +711,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         use_aux_flow: bool | None = None,
+        aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowCausalLMOutputWithPast:
@@ -657,8 +719,11 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         use_aux_flow (`bool`, *optional*):
             Run the auxiliary flow at the positions selected by `logits_to_keep` and predict with it; defaults to
             `config.use_aux_flow`. The primary flow, its logits and the cache are the same either way.
+        aux_inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
+            Where the aux flow starts. The aux row of a position starts from `aux_inputs_embeds` when given, else from
+            the aux embedding of its id, else (no ids: `inputs_embeds` only) from its `inputs_embeds` row.
         aux_num_experts_per_tok (`int`, *optional*):
-            Aux-flow expert top-k for this call (trade decode cost for quality without reconverting).
+            Aux-flow expert top-k for this call (trade decode cost for quality without reconverting); MoE models only.
         """
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
@@ -667,7 +732,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         # shape[-1] / shape[-2]: a wrongly shaped input reaches the model's own one-line check, not an IndexError here
         seq_len = input_ids.shape[-1] if input_ids is not None else inputs_embeds.shape[-2]
         device = (input_ids if input_ids is not None else inputs_embeds).device
-        keep_positions = aux_positions_for(logits_to_keep, seq_len, device)
+        keep_positions = positions_to_keep(logits_to_keep, seq_len, device)
         keep_all = keeps_every_position(logits_to_keep, seq_len)
 
         outputs: DualFlowModelOutputWithPast = self.model(
@@ -679,6 +744,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_router_logits=output_router_logits,
             aux_positions=keep_positions if use_aux_flow else None,
+            aux_inputs_embeds=aux_inputs_embeds,
             aux_num_experts_per_tok=aux_num_experts_per_tok,
             **kwargs,
         )
@@ -704,16 +770,9 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
                 loss = aux_ce + self.config.primary_loss_weight * loss
 
         aux_loss = None
-        hidden_states, aux_hidden_states, router_logits = outputs.hidden_states, None, outputs.router_logits
-        if hidden_states is not None:
-            # As in every transformers causal LM, the last entry is the final-normed state the LM head reads.
-            hidden_states = tuple(h[:, :seq_len] for h in outputs.hidden_states[:-1]) + (outputs.last_hidden_state,)
-            if use_aux_flow:
-                aux_hidden_states = tuple(h[:, seq_len:] for h in outputs.hidden_states[:-1])
-                aux_hidden_states += (outputs.aux_last_hidden_state,)
-        if output_router_logits and router_logits:
+        if output_router_logits and outputs.router_logits:
             aux_loss = self._router_balance_loss(
-                router_logits, attention_mask, seq_len, keep_positions, use_aux_flow, aux_num_experts_per_tok
+                outputs, attention_mask, seq_len, keep_positions, aux_num_experts_per_tok
             )
             if loss is not None:
                 balance_loss = self.config.router_aux_loss_coef * aux_loss.to(loss.device)
@@ -731,30 +790,27 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             logits=logits,
             primary_logits=primary_logits,
             past_key_values=outputs.past_key_values,
-            hidden_states=hidden_states,
-            aux_hidden_states=aux_hidden_states,
+            hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-            router_logits=router_logits,
+            router_logits=outputs.router_logits,
+            aux_hidden_states=outputs.aux_hidden_states,
+            aux_attentions=outputs.aux_attentions,
+            aux_router_logits=outputs.aux_router_logits,
         )
 
-    def _router_balance_loss(self, router_logits, attention_mask, seq_len, keep_positions, use_aux_flow, aux_top_k):
-        """Switch-style balance loss of each flow over its own rows and top-k, summed."""
+    def _router_balance_loss(self, outputs, attention_mask, seq_len, keep_positions, aux_top_k):
+        """
+        The router balance loss (`aux_loss`): transformers' Switch-style loss of each flow over its own rows and top-k,
+        summed. Padding positions are left out, so left padding does not change it.
+        """
         num_experts = self.config.num_experts
         aux_top_k = self.config.aux_num_experts_per_tok if aux_top_k is None else aux_top_k
-        num_rows = router_logits[0].shape[0] // (seq_len + (keep_positions.numel() if use_aux_flow else 0))
-        per_row = [layer.view(num_rows, -1, num_experts) for layer in router_logits]
-        # The padding mask is only usable when it covers exactly these positions (no cache).
-        mask = (
-            attention_mask
-            if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == seq_len
-            else None
-        )
-        primary = tuple(layer[:, :seq_len].reshape(-1, num_experts) for layer in per_row)
-        loss = load_balancing_loss_func(primary, num_experts, self.config.num_experts_per_tok, mask)
-        if use_aux_flow:
-            aux = tuple(layer[:, seq_len:].reshape(-1, num_experts) for layer in per_row)
+        # A 2-D mask covers past + new tokens; its last seq_len columns are this call's positions.
+        mask = attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        loss = load_balancing_loss_func(outputs.router_logits, num_experts, self.config.num_experts_per_tok, mask)
+        if outputs.aux_router_logits is not None:
             aux_mask = mask[:, keep_positions] if mask is not None else None
-            loss = loss + load_balancing_loss_func(aux, num_experts, aux_top_k, aux_mask)
+            loss = loss + load_balancing_loss_func(outputs.aux_router_logits, num_experts, aux_top_k, aux_mask)
         return loss
 
 

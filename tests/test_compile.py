@@ -4,7 +4,10 @@ import pytest
 import torch
 import torch._dynamo
 from conftest import tiny_model
-from transformers import StaticCache
+from transformers import AttentionInterface, CompileConfig, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from modeling_dualflow import DualFlowForCausalLM
 
 
 @pytest.mark.parametrize("logits_to_keep", [0, 1])
@@ -46,3 +49,56 @@ def test_decode_step_compiles_to_one_graph():
         explanation = torch._dynamo.explain(decode_step)(prompt[:, -1:], torch.tensor([[7]]))
     assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
     assert explanation.graph_count == 1
+
+
+def test_fullgraph_compiled_generate_matches_eager():
+    """`_can_compile_fullgraph` holds: generate's compiled decode step (fullgraph=True, no graph break) gives the same
+    tokens. The "eager" backend runs dynamo's full-graph capture without a C++ toolchain."""
+    assert DualFlowForCausalLM._can_compile_fullgraph
+    model = tiny_model(aux_num_experts_per_tok=3)
+    input_ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(4))
+    options = dict(max_new_tokens=4, do_sample=False)
+    compile_config = CompileConfig(fullgraph=True, backend="eager")
+    compile_config._compile_all_devices = True  # transformers auto-compiles on accelerators only otherwise
+    compiled = model.generate(input_ids, cache_implementation="static", compile_config=compile_config, **options)
+    assert hasattr(model, "_compiled_call")  # the decode steps really ran compiled
+    assert torch.equal(compiled, model.generate(input_ids, **options))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_batch_equals_separate_sequences(attn):
+    """
+    Padding-free batches (training, no cache): sequences packed in one row, position_ids restarting at 0, no attention
+    mask; transformers' mask functions find the sequences from the position ids.
+    """
+    model = tiny_model(attn_implementation=attn, aux_num_experts_per_tok=3)
+    generator = torch.Generator().manual_seed(5)
+    first, second = torch.randint(1, 97, (1, 5), generator=generator), torch.randint(1, 97, (1, 4), generator=generator)
+    position_ids = torch.cat([torch.arange(5), torch.arange(4)]).unsqueeze(0)
+    packed = model(torch.cat([first, second], dim=1), position_ids=position_ids, use_cache=False)
+    for field in ("logits", "primary_logits"):
+        separate = torch.cat([getattr(model(first), field), getattr(model(second), field)], dim=1)
+        torch.testing.assert_close(getattr(packed, field), separate, atol=1e-5, rtol=0)
+
+
+def test_custom_attention_function_sees_aux_query_rows():
+    """
+    A function registered with transformers' AttentionInterface is called (and gives sdpa's results), but with the aux
+    rows among the queries: T + P query rows against T key rows. Serving engines' attention backends assume one query
+    row per key row they cache, so `_supports_attention_backend` stays False (engines use dualflow.serving).
+    """
+    assert not DualFlowForCausalLM._supports_attention_backend
+    shapes = []
+
+    def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
+        shapes.append((query.shape[2], key.shape[2]))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("dualflow_test_recording_sdpa", recording_sdpa)
+    model = tiny_model(aux_num_experts_per_tok=3)
+    input_ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(6))
+    expected = model(input_ids, logits_to_keep=2)
+    model.set_attn_implementation("dualflow_test_recording_sdpa")
+    actual = model(input_ids, logits_to_keep=2)
+    torch.testing.assert_close(actual.logits, expected.logits, atol=1e-6, rtol=0)
+    assert shapes == [(6 + 2, 6)] * model.config.num_hidden_layers

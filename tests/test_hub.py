@@ -145,10 +145,11 @@ PUSH_WITHOUT_TOKEN = textwrap.dedent(
     from conftest import tiny_model
     from dualflow.cli import main
     from dualflow.errors import DualFlowUserError
+    from dualflow.hub import push_model
 
     status = main(["push", sys.argv[1], "someone/tiny-dualflow"])
-    try:  # model.push_to_hub goes through dualflow.hub.push_model (the Dual-Flow card)
-        tiny_model().push_to_hub("someone/tiny-dualflow", commit_message="upload", max_shard_size="1MB")
+    try:
+        push_model(tiny_model(), "someone/tiny-dualflow", commit_message="upload", max_shard_size="1MB")
         push_error = None
     except DualFlowUserError as error:
         push_error = str(error)

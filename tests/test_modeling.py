@@ -1,7 +1,9 @@
 """Tiny-config tester for DualFlowConfig / DualFlowForCausalLM / DualFlowCache (docs/design.md §7 invariants 1, 3, 4, 5)."""
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,9 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config, tiny_model
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    DynamicCache,
+    PreTrainedModel,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+import modeling_dualflow
 from dualflow.instruments.reference import two_pass_forward
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 
@@ -79,6 +89,25 @@ class TestConfig:
 
     def test_dense_ignores_top_k_fields(self):
         assert tiny_config(num_experts=0, num_experts_per_tok=99).num_experts == 0
+
+    @pytest.mark.parametrize(
+        "overrides", [{}, {"num_experts": 0}, {"mlp_only_layers": [0]}, {"qk_norm": "per_head"}, {"qk_norm": "full"}]
+    )
+    def test_parallel_plan_names_only_existing_modules(self, overrides):
+        model = tiny_model(**overrides)
+        names = [name for name, _ in model.model.named_modules()] + [name for name, _ in model.model.named_parameters()]
+        for pattern in model.config.base_model_tp_plan:
+            regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+            assert any(regex.fullmatch(name) for name in names), pattern
+
+    def test_dense_model_declares_no_router_or_experts_kernel(self):
+        dense, moe = tiny_model(num_experts=0), tiny_model()
+        out = dense(torch.tensor([[1, 2, 3]]), output_router_logits=True)
+        assert out.router_logits is None and out.aux_router_logits is None and out.aux_loss is None
+        assert not dense._can_set_experts_implementation() and dense.config._experts_implementation == "eager"
+        # the MoE model keeps transformers' default kernel (found through the decorator in modeling_dualflow.py)
+        assert moe._can_set_experts_implementation() and moe.config._experts_implementation == "grouped_mm"
+        assert moe.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
 
     def test_save_load_round_trip(self, tmp_path):
         config = tiny_config(aux_num_experts_per_tok=3, qk_norm="per_head", sliding_window=4)
@@ -369,21 +398,32 @@ class TestOutputsAndLoss:
         torch.testing.assert_close(out.loss, expected + model.config.router_aux_loss_coef * out.aux_loss)
         off = model(input_ids, labels=input_ids, use_aux_flow=False)
         torch.testing.assert_close(off.loss, causal_ce(off.logits))
-        assert len(out.router_logits) == 2 and out.router_logits[0].shape == (2 * 12, 4)
+        assert len(out.router_logits) == 2 and out.router_logits[0].shape == (2 * 6, 4)
+        assert len(out.aux_router_logits) == 2 and out.aux_router_logits[0].shape == (2 * 6, 4)
 
     def test_balance_loss_is_per_flow(self):
         model = tiny_model(aux_num_experts_per_tok=3)
         input_ids, attention_mask = left_padded_batch([6, 4])
         out = model(input_ids, attention_mask=attention_mask, logits_to_keep=2, output_router_logits=True)
-        per_row = [layer.view(2, 8, 4) for layer in out.router_logits]  # (batch, T + P, experts)
-        primary = tuple(layer[:, :6].reshape(-1, 4) for layer in per_row)
-        aux = tuple(layer[:, 6:].reshape(-1, 4) for layer in per_row)
+        primary, aux = out.router_logits, out.aux_router_logits  # (batch * T, experts), (batch * P, experts)
+        assert primary[0].shape == (2 * 6, 4) and aux[0].shape == (2 * 2, 4)
         expected = load_balancing_loss_func(primary, 4, 2, attention_mask) + load_balancing_loss_func(
             aux, 4, 3, attention_mask[:, 4:]
         )
         torch.testing.assert_close(out.aux_loss, expected)
         off = model(input_ids, attention_mask=attention_mask, output_router_logits=True, use_aux_flow=False)
         torch.testing.assert_close(off.aux_loss, load_balancing_loss_func(primary, 4, 2, attention_mask))
+        assert off.aux_router_logits is None
+
+    @pytest.mark.parametrize("logits_to_keep", [0, 2])
+    def test_balance_loss_is_invariant_to_left_padding(self, logits_to_keep):
+        model = tiny_model(aux_num_experts_per_tok=3)
+        input_ids = torch.randint(1, 97, (1, 6))
+        padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), input_ids], dim=1)
+        mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], dim=1)
+        kwargs = dict(logits_to_keep=logits_to_keep, output_router_logits=True)
+        plain = model(input_ids, **kwargs).aux_loss
+        torch.testing.assert_close(model(padded, attention_mask=mask, **kwargs).aux_loss, plain, atol=1e-5, rtol=0)
 
     def test_hidden_states_and_attentions_split_by_flow(self):
         model = tiny_model(attn_implementation="eager")
@@ -393,7 +433,7 @@ class TestOutputsAndLoss:
         assert out.aux_hidden_states[0].shape == (2, 2, 32)
         torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(input_ids))
         torch.testing.assert_close(out.aux_hidden_states[0], model.model.aux_embed_tokens(input_ids[:, 4:]))
-        assert out.attentions[0].shape == (2, 4, 6 + 2, 6)
+        assert out.attentions[0].shape == (2, 4, 6, 6) and out.aux_attentions[0].shape == (2, 4, 2, 6)
         # the last entry is what the LM head reads, as in transformers' causal LMs
         torch.testing.assert_close(model.lm_head(out.hidden_states[-1][:, 4:]), out.primary_logits)
         torch.testing.assert_close(model.lm_head(out.aux_hidden_states[-1]), out.logits)
@@ -464,6 +504,14 @@ class TestBadInputs:
         with pytest.raises(ValueError, match="token id -1"):
             tiny_model()(torch.tensor([[1, -1]]))
 
+    def test_token_id_check_reads_cpu_tensors_only(self):
+        # On an accelerator the check would stall every decode step on a device-to-host copy; a meta tensor (which
+        # cannot be read back at all) stands in for one here.
+        model = tiny_model()
+        model.model._check_inputs(torch.tensor([[1, 500]], device="meta"), None, None, None, past_length=0)
+        with pytest.raises(ValueError, match="token id 500"):
+            model.model._check_inputs(torch.tensor([[1, 500]]), None, None, None, past_length=0)
+
     def test_one_dimensional_input_ids(self):
         with pytest.raises(ValueError, match="input_ids must have shape"):
             tiny_model()(torch.tensor([1, 2, 3]))
@@ -472,12 +520,18 @@ class TestBadInputs:
         with pytest.raises(ValueError, match="attention_mask has shape"):
             tiny_model()(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 4, dtype=torch.long))
 
-    def test_aux_flow_needs_input_ids(self):
+    def test_aux_inputs_embeds_shape(self):
         model = tiny_model()
         embeds = model.model.embed_tokens(torch.tensor([[1, 2]]))
-        with pytest.raises(ValueError, match="pass input_ids"):
-            model(inputs_embeds=embeds)
-        assert model(inputs_embeds=embeds, use_aux_flow=False).logits.shape == (1, 2, 97)
+        with pytest.raises(ValueError, match="aux_inputs_embeds has shape"):
+            model(inputs_embeds=embeds, aux_inputs_embeds=embeds[:, :1])
+
+    def test_aux_top_k_on_a_dense_model(self):
+        model = tiny_model(num_experts=0)
+        with pytest.raises(ValueError, match="aux_num_experts_per_tok needs a MoE model"):
+            model(torch.tensor([[1, 2]]), aux_num_experts_per_tok=4)
+        with pytest.raises(ValueError, match="aux_num_experts_per_tok needs a MoE model"):
+            model.generate(torch.tensor([[1, 2]]), max_new_tokens=2, aux_num_experts_per_tok=4)
 
     def test_bad_aux_top_k_and_logits_to_keep(self):
         model = tiny_model()
@@ -520,3 +574,19 @@ def test_remote_code_round_trip_in_fresh_process(tmp_path):
 def test_native_auto_registration():
     config = tiny_config()
     assert type(AutoModelForCausalLM.from_config(config)) is DualFlowForCausalLM
+
+
+def test_remote_code_files_import_only_libraries_and_each_other():
+    """The files copied into every checkpoint import nothing of this project outside modeling_dualflow/."""
+    folder = os.path.dirname(modeling_dualflow.__file__)
+    for name in (*modeling_dualflow.REMOTE_CODE_FILES, "__init__.py"):
+        tree = ast.parse(open(os.path.join(folder, name)).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = [node.module.split(".")[0]]
+            else:
+                continue
+            assert not set(roots) & {"dualflow", "convert", "model_cards", "modeling_dualflow"}, (name, roots)
+    assert DualFlowForCausalLM.push_to_hub is PreTrainedModel.push_to_hub
