@@ -38,11 +38,24 @@ def resolve_source(src: str | Path) -> tuple[Path, str | None]:
     patterns = ["*.json", "model*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "README.md"]
     try:
         return Path(snapshot_download(str(src), allow_patterns=patterns)), str(src)
-    except Exception as error:  # offline, unknown repo, gated repo...: one line for the user either way
-        reason = " ".join(str(error).split())
-        raise DualFlowUserError(
-            f"{src} is not a local folder and could not be downloaded from the Hub: {reason}"
-        ) from error
+    except Exception as error:  # huggingface_hub's own messages run to several hundred characters
+        raise DualFlowUserError(download_failure(str(src), error)) from error
+
+
+def download_failure(src: str, error: Exception) -> str:
+    """What failed and what to do, in one short line."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    if isinstance(error, GatedRepoError):
+        return f"{src} is a gated Hub repo: accept its terms on huggingface.co, then `hf auth login`"
+    if isinstance(error, RepositoryNotFoundError):
+        return f"{src} is neither a local folder nor a Hub repo you can access (private? `hf auth login`)"
+    if isinstance(error, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
+        return f"{src} is not a local folder and Hub downloads are off (HF_HUB_OFFLINE): pass a local folder"
+    if isinstance(error, LocalEntryNotFoundError):
+        return f"{src} is not a local folder and the Hub is unreachable: check the network or pass a local folder"
+    return f"{src} is not a local folder and its download failed ({type(error).__name__}): retry or pass a folder"
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,18 @@ def test_hub_cache_folder_names_the_base_model(tmp_path):
     assert "base_model: some-org/tiny-qwen" in (tmp_path / "out" / "README.md").read_text()
 
 
+def test_offline_hub_id_is_a_short_line_saying_what_to_do(tmp_path):
+    # conftest sets HF_HUB_OFFLINE=1: no network, huggingface_hub raises its long LocalEntryNotFoundError
+    code, stderr = run_cli("convert", "some-org/not-downloaded-model", tmp_path / "out")
+    line = stderr.strip().splitlines()[-1]
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert line == (
+        "dualflow convert: error: some-org/not-downloaded-model is not a local folder and Hub downloads are off "
+        "(HF_HUB_OFFLINE): pass a local folder"
+    )
+    assert len(line) - len("some-org/not-downloaded-model") < 120
+
+
 def test_larger_aux_top_k_loads_and_runs(tmp_path):
     source = make_source("mixtral")
     src = save_source(source, tmp_path / "src", "sharded")
