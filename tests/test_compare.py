@@ -1,4 +1,4 @@
-"""`dualflow compare` / `experiment` / `demo`: metric code on tiny models, report schemas, the CLI paths end to end."""
+"""`dualflow compare` / `demo`: metric code on tiny models, report schemas, the CLI paths end to end."""
 
 import json
 import sysconfig
@@ -20,8 +20,7 @@ from dualflow.instruments.compare import (
     primary_top_k,
 )
 from dualflow.instruments.data import decode_bytes, encode_bytes, split_files, stdlib_source_files
-from dualflow.instruments.experiment import ARMS, arm_costs, flow_forward_flops
-from dualflow.instruments.tiny_lm import TinyScale, mean_token_nll, tiny_moe_config
+from dualflow.instruments.tiny_lm import mean_token_nll
 
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -183,50 +182,6 @@ def test_byte_data_helpers():
     assert validation and train and not set(train) & set(validation)
     assert split_files(files) == (train, validation)  # stable
     assert not any("test" in path.relative_to(STDLIB).parts[:-1] for path in files)
-
-
-def test_flops_and_expert_counts():
-    scale = TinyScale()
-    config = tiny_moe_config(scale, top_k=2)
-    d, q, kv, n_exp, inter, V = 64, 64, 32, 8, 64, 256
-    per_layer = 2 * d * 2 * q + 2 * d * 2 * kv + 2 * 2 * 10 * q + 2 * d * n_exp + 2 * 2 * 3 * d * inter
-    assert flow_forward_flops(config, context=10, top_k=2) == 2 * per_layer + 2 * d * V
-    aux_layer = 2 * d * 2 * q + 2 * 2 * 10 * q + 2 * d * n_exp + 4 * 2 * 3 * d * inter
-    assert flow_forward_flops(config, context=10, top_k=4, aux=True) == 2 * aux_layer + 2 * d * V
-    costs = {
-        arm.name: arm_costs(arm, tiny_moe_config(scale, arm.top_k, arm.aux_top_k, arm.depth_factor), scale)
-        for arm in ARMS
-    }
-    assert costs["dual kp2 ka4"]["prefill_experts_per_token"] == costs["single k2"]["prefill_experts_per_token"] == 4
-    assert costs["dual kp2 ka4"]["decode_experts_per_token"] == 12  # (2 + 4) experts in each of 2 layers
-    assert costs["dual kp2 ka4"]["prefill_flops_per_token"] == costs["single k2"]["prefill_flops_per_token"]
-    assert costs["single k2 2x depth"]["prefill_experts_per_token"] == 8
-    assert costs["single k2 2x tokens"]["train_flops_total"] == 2 * costs["single k2"]["train_flops_total"]
-    assert costs["single k2 2x tokens"]["train_flops_per_token"] == costs["single k2"]["train_flops_per_token"]
-    assert costs["dual kp1 ka3"]["decode_experts_per_token"] == costs["dual kp3 ka1"]["decode_experts_per_token"]
-
-
-def test_experiment_quick_path_writes_json_and_plots(tmp_path, capsys):
-    out = tmp_path / "exp"
-    argv = ["experiment", "--quick", "--steps", "2", "--seeds", "2", "--out", str(out), "--data"]
-    assert main(argv + [str(path) for path in SMALL_TEXT_FILES]) == 0
-    printed = capsys.readouterr().out
-    assert "too few steps to conclude anything" in printed
-    report = json.loads((out / "experiment.json").read_text())
-    assert report["schema"] == "dualflow-experiment/1" and report["quick"] is True and report["seeds"] == [0, 1]
-    assert [arm["name"] for arm in report["arms"]] == [arm.name for arm in ARMS]
-    for arm in report["arms"]:
-        assert len(arm["runs"]) == 2 and arm["name"] in printed
-        losses = [run["val_loss"] for run in arm["runs"]]
-        assert abs(arm["val_loss"]["mean"] - sum(losses) / 2) < 1e-9 and arm["val_loss"]["std"] >= 0
-        assert (arm["primary_val_loss"] is not None) == (arm["aux_top_k"] is not None)
-        baseline_losses = [run["val_loss"] for run in report["arms"][0]["runs"]]
-        deltas = [loss - base for loss, base in zip(losses, baseline_losses)]
-        assert abs(arm["val_loss_delta"]["mean"] - sum(deltas) / 2) < 1e-9
-        assert len(arm["runs"][0]["train_curve"]) == 2 * arm["token_factor"]
-    for name in ("loss_curves.png", "frontier.png"):
-        assert (out / name).read_bytes()[:8] == PNG_MAGIC
-    assert main(["experiment", "--quick", "--seeds", "0", "--out", str(out)]) == 2
 
 
 def test_demo_runs_end_to_end(capsys):

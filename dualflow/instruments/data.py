@@ -91,6 +91,26 @@ def eval_blocks(tokens: torch.Tensor, block_size: int, max_blocks: int | None = 
     return tokens[: num_blocks * block_size].view(num_blocks, block_size).long()
 
 
+def spread_blocks(files: list[Path], block_size: int, num_blocks: int) -> tuple[torch.Tensor, int]:
+    """
+    (blocks, files hit): `num_blocks` windows of `block_size` tokens (int64) at evenly spaced offsets over the
+    concatenated `files`, so every part of the validation set is scored, not its first files. Fewer blocks (all
+    non-overlapping) when the files hold fewer than `num_blocks * block_size` tokens. `files hit` counts the files in
+    which some block starts.
+    """
+    sizes = [path.stat().st_size + 2 for path in files]  # read_byte_tokens adds a blank line after each file
+    tokens = read_byte_tokens(files)
+    num_blocks = min(num_blocks, len(tokens) // block_size)
+    if num_blocks == 0:
+        raise DualFlowUserError(f"validation data holds {len(tokens)} tokens, fewer than one block of {block_size}")
+    span = len(tokens) - block_size
+    starts = torch.tensor([i * span // max(1, num_blocks - 1) for i in range(num_blocks)])
+    file_ends = torch.tensor(sizes).cumsum(0)
+    files_hit = torch.searchsorted(file_ends, starts, right=True).unique().numel()
+    blocks = torch.stack([tokens[start : start + block_size] for start in starts.tolist()]).long()
+    return blocks, files_hit
+
+
 def random_batch(tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator) -> torch.Tensor:
     """`batch_size` random windows of `block_size` tokens (int64), drawn with `generator`."""
     starts = torch.randint(0, len(tokens) - block_size, (batch_size,), generator=generator)

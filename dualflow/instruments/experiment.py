@@ -1,66 +1,163 @@
 """`dualflow experiment`: a CPU-scale check of the paper's claims, training tiny byte-level MoE LMs from scratch.
 
 Every arm uses the same data, the same token budget (except the arm that doubles it on purpose) and the same seeds; a
-seed fixes both the initial weights and the order of batches. Single-flow arms are the same model class trained with
-the aux flow off.
+seed fixes both the initial shared weights and the order of batches, so differences to the baseline are paired by
+seed. Single-flow arms are the same model class trained with the aux flow off. An arm is data: a name, the
+`DualFlowConfig` fields it changes and how its training differs, so a new config field becomes an arm in one line.
 """
 
 import json
+import math
+import os
 import platform
 import shlex
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from modeling_dualflow import DualFlowConfig
+
 from ..errors import DualFlowUserError
-from .data import check_data_files, eval_blocks, read_byte_tokens, split_files, stdlib_source_files
+from .data import check_data_files, read_byte_tokens, split_files, spread_blocks, stdlib_source_files
 from .tiny_lm import TinyScale, mean_token_nll, tiny_moe_config, train_language_model
 
 
-SCHEMA = "dualflow-experiment/1"
-DEFAULT_SCALE = TinyScale()
-QUICK_SCALE = replace(TinyScale(), block_size=64, batch_size=8, steps=50, warmup_steps=5, eval_blocks=16)
+SCHEMA = "dualflow-experiment/2"
+# The recipe of the independent prototype (/work/shared/EXPERIMENT_NOTES.md), calibrated in docs/results/README.md:
+# PyTorch's default init (transformers' N(0, 0.02) hurt the aux flow there), AdamW 2e-3, cosine to 10%, 0.01 balance.
+DEFAULT_SCALE = replace(
+    TinyScale(),
+    hidden_size=96,
+    num_hidden_layers=3,
+    moe_intermediate_size=96,
+    batch_size=8,
+    steps=900,
+    learning_rate=2e-3,
+    warmup_steps=50,
+    eval_blocks=1024,
+    weight_decay=0.05,
+    adam_beta2=0.999,
+    router_aux_loss_coef=0.01,
+    init="torch",
+)
+QUICK_SCALE = replace(
+    DEFAULT_SCALE,
+    hidden_size=32,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    block_size=32,
+    batch_size=4,
+    steps=20,
+    warmup_steps=2,
+    eval_blocks=32,
+)
+DEFAULT_SEEDS = 5
 MAX_TRAIN_TOKENS = 20_000_000
+# How an arm's training may differ from the baseline's: scale fields, or these three.
+TRAINING_KEYS = {"depth_factor", "token_factor", "copy_aux_embedding"} | set(TinyScale.__dataclass_fields__)
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One model to train: top-k of each flow (aux_top_k None = single flow), depth and token multipliers."""
+    """
+    One model to train. `config`: `DualFlowConfig` fields over the scale's (top-k, aux flow on, ...). `training`:
+    `depth_factor` (x layers), `token_factor` (x steps), `copy_aux_embedding` (aux embedding starts as the primary's),
+    or any `TinyScale` field (e.g. `init`).
+    """
 
     name: str
-    top_k: int
-    aux_top_k: int | None = None
-    depth_factor: int = 1
-    token_factor: int = 1
+    config: Mapping = field(default_factory=dict)
+    training: Mapping = field(default_factory=dict)
     role: str = ""
 
     @property
     def dual(self) -> bool:
-        return self.aux_top_k is not None
+        return bool(self.config.get("use_aux_flow"))
+
+    def missing_config_fields(self) -> list[str]:
+        """Config fields this version of `DualFlowConfig` does not know (it would silently keep them as extras)."""
+        known = DualFlowConfig().to_dict()
+        return [key for key in self.config if key not in known]
+
+    def model_config(self, scale: TinyScale) -> DualFlowConfig:
+        config = dict(self.config)
+        top_k = config.pop("num_experts_per_tok", 2)
+        aux_top_k = config.pop("aux_num_experts_per_tok", top_k) if config.pop("use_aux_flow", False) else None
+        return tiny_moe_config(scale, top_k, aux_top_k, self.training.get("depth_factor", 1), **config)
+
+    def scale(self, scale: TinyScale) -> TinyScale:
+        return replace(
+            scale, **{key: value for key, value in self.training.items() if key in TinyScale.__dataclass_fields__}
+        )
+
+    def steps(self, scale: TinyScale) -> int:
+        return scale.steps * self.training.get("token_factor", 1)
 
 
+def single(top_k: int, name: str | None = None, role: str = "", **training) -> Arm:
+    return Arm(name or f"single k{top_k}", {"num_experts_per_tok": top_k}, training, role)
+
+
+def dual(top_k: int, aux_top_k: int, suffix: str = "", role: str = "", training=None, **config) -> Arm:
+    name = f"dual kp{top_k} ka{aux_top_k}" + (f" {suffix}" if suffix else "")
+    fields = {"num_experts_per_tok": top_k, "aux_num_experts_per_tok": aux_top_k, "use_aux_flow": True, **config}
+    return Arm(name, fields, training or {}, role)
+
+
+BASELINE = single(2, role="baseline")
 ARMS = (
-    Arm("single k2", 2, role="baseline"),
-    Arm("single k4", 4, role="more compute in prefill and decode"),
-    Arm("dual kp2 ka2", 2, 2, role="aux flow at equal top-k"),
-    Arm("dual kp2 ka4", 2, 4, role="regime 1: more decode compute, same prefill"),
-    Arm("dual kp1 ka3", 1, 3, role="regime 2: 4 experts split 1+3"),
-    Arm("dual kp3 ka1", 3, 1, role="regime 2: 4 experts split 3+1"),
-    Arm("single k2 2x depth", 2, depth_factor=2, role="compute-matched: twice the layers"),
-    Arm("single k2 2x tokens", 2, token_factor=2, role="compute-matched: twice the training tokens"),
+    BASELINE,
+    single(4, role="more compute in prefill and decode"),
+    single(2, "single k2 2x depth", "twice the layers: 2x prefill, 2x KV cache, 2x parameters", depth_factor=2),
+    single(2, "single k2 2x tokens", "twice the training tokens", token_factor=2),
+    dual(2, 2, role="regime 1 and 2: aux flow at equal top-k"),
+    dual(2, 4, role="regime 1: more decode compute, same prefill"),
+    dual(1, 3, role="regime 2: 4 experts split 1+3"),
+    dual(3, 1, role="regime 2: 4 experts split 3+1"),
+    dual(2, 4, "r2", "aux flow runs 2 rounds through the layers (issue 13)", aux_num_rounds=2),
+    dual(2, 4, "r3", "aux flow runs 3 rounds through the layers (issue 13)", aux_num_rounds=3),
+    # Design study of the aux flow (issue 11 item 3): each changes one thing of dual kp2 ka4.
+    dual(2, 4, "init 0.02", "design: transformers' N(0, 0.02) init", {"init": "model"}, initializer_range=0.02),
+    dual(2, 4, "aux emb copied", "design: aux embedding starts as the primary's", {"copy_aux_embedding": True}),
+    dual(2, 4, "plw 0.5", "design: primary_loss_weight 0.5", primary_loss_weight=0.5),
+    dual(2, 4, "plw 2", "design: primary_loss_weight 2", primary_loss_weight=2.0),
 )
+ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
+DEPTH_ARM = "single k2 2x depth"
+# The default run: the baseline, both known-better arms, 2x tokens, regime 1 (2/2, 2/4) and regime 2 (1/3, 2/2, 3/1);
+# the rounds arms join as soon as the model has `aux_num_rounds`. `--arms all` runs every arm.
+DEFAULT_ARMS = (
+    "single k2",
+    "single k4",
+    "single k2 2x depth",
+    "dual kp2 ka4",
+    "dual kp2 ka4 r2",
+    "dual kp2 ka2",
+    "dual kp1 ka3",
+    "dual kp3 ka1",
+    "single k2 2x tokens",
+)  # in the order a seed runs them: the comparisons that answer the main questions first
+ARM_GROUPS = {
+    "default": DEFAULT_ARMS,
+    "all": tuple(ARMS_BY_NAME),
+    "design": ("single k2", "single k2 2x depth", "dual kp2 ka4")
+    + tuple(arm.name for arm in ARMS if arm.role.startswith("design")),
+}
+
 
 FLOPS_FORMULA = (
     "Matmul FLOPs (2 per multiply-add) per token, per layer: q,o projections 2*d*2*q_dim; k,v projections "
     "2*d*2*kv_dim (primary flow only: the aux flow reads the primary K/V); attention 2*2*ctx*q_dim (scores and "
-    "weighted sum over ctx keys); router 2*d*E; experts top_k*2*3*d*I; plus the LM head 2*d*V per flow. Training "
-    "uses ctx=(T+1)/2 (causal average over a block of T) and aux rows at every position, and counts "
-    "3x the forward (backward = 2x forward). Prefill = primary flow at ctx=(T+1)/2; decode = primary (+ aux for "
-    "dual-flow) at ctx=T. Norms, softmax, RoPE and embeddings are left out."
+    "weighted sum over ctx keys); router 2*d*E; experts top_k*2*3*d*I; plus the LM head 2*d*V per flow. The aux flow "
+    "counts its layers once per round (aux_num_rounds). Training uses ctx=(T+1)/2 (causal average over a block of T) "
+    "and aux rows at every position, and counts 3x the forward (backward = 2x forward). Prefill = primary flow at "
+    "ctx=(T+1)/2; decode = primary (+ aux for dual-flow) at ctx=T. Norms, softmax, RoPE and embeddings are left out."
 )
 
 
@@ -68,155 +165,250 @@ def flow_forward_flops(config, context: float, top_k: int, aux: bool = False) ->
     """Forward FLOPs per token of one flow (see FLOPS_FORMULA)."""
     d, head_dim = config.hidden_size, config.head_dim
     q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    total = 2 * d * config.vocab_size
+    layers = 0
     for layer_idx in range(config.num_hidden_layers):
-        total += 2 * d * 2 * q_dim + (0 if aux else 2 * d * 2 * kv_dim) + 2 * 2 * context * q_dim
+        layers += 2 * d * 2 * q_dim + (0 if aux else 2 * d * 2 * kv_dim) + 2 * 2 * context * q_dim
         if config.is_moe_layer(layer_idx):
-            total += 2 * d * config.num_experts + top_k * 2 * 3 * d * config.moe_intermediate_size
+            layers += 2 * d * config.num_experts + top_k * 2 * 3 * d * config.moe_intermediate_size
         else:
-            total += 2 * 3 * d * config.intermediate_size
-    return total
+            layers += 2 * 3 * d * config.intermediate_size
+    rounds = getattr(config, "aux_num_rounds", 1) if aux else 1
+    return 2 * d * config.vocab_size + rounds * layers
 
 
-def arm_costs(arm: Arm, config, scale: TinyScale) -> dict:
+def arm_costs(arm: Arm, scale: TinyScale) -> dict:
     """Analytic per-token costs of an arm: training / prefill / decode FLOPs, routed experts (summed over layers)."""
+    config = arm.model_config(scale)
+    top_k, aux_top_k = config.num_experts_per_tok, config.aux_num_experts_per_tok
     train_ctx, moe_layers = (scale.block_size + 1) / 2, sum(map(config.is_moe_layer, range(config.num_hidden_layers)))
-    train_forward = flow_forward_flops(config, train_ctx, arm.top_k)
-    decode = flow_forward_flops(config, scale.block_size, arm.top_k)
+    prefill = flow_forward_flops(config, train_ctx, top_k)
+    train_forward, decode, decode_experts = prefill, flow_forward_flops(config, scale.block_size, top_k), top_k
     if arm.dual:
-        train_forward += flow_forward_flops(config, train_ctx, arm.aux_top_k, aux=True)
-        decode += flow_forward_flops(config, scale.block_size, arm.aux_top_k, aux=True)
-    train_tokens = scale.steps * arm.token_factor * scale.batch_size * scale.block_size
+        rounds = getattr(config, "aux_num_rounds", 1)
+        train_forward += flow_forward_flops(config, train_ctx, aux_top_k, aux=True)
+        decode += flow_forward_flops(config, scale.block_size, aux_top_k, aux=True)
+        decode_experts += rounds * aux_top_k
+    train_tokens = arm.steps(scale) * scale.batch_size * scale.block_size
     return {
+        "top_k": top_k,
+        "aux_top_k": aux_top_k if arm.dual else None,
+        "num_hidden_layers": config.num_hidden_layers,
         "train_tokens": train_tokens,
         "train_flops_per_token": 3 * train_forward,
         "train_flops_total": 3 * train_forward * train_tokens,
-        "prefill_flops_per_token": flow_forward_flops(config, train_ctx, arm.top_k),
+        "prefill_flops_per_token": prefill,
         "decode_flops_per_token": decode,
-        "prefill_experts_per_token": arm.top_k * moe_layers,
-        "decode_experts_per_token": (arm.top_k + (arm.aux_top_k or 0)) * moe_layers,
+        "prefill_experts_per_token": top_k * moe_layers,
+        "decode_experts_per_token": decode_experts * moe_layers,
         "kv_cache_layers": config.num_hidden_layers,
     }
 
 
-def _mean_spread(values: list[float]) -> dict:
+def mean_and_error(values: list[float]) -> dict:
+    """Mean, sample std, standard error of the mean (std / sqrt(n)), n, min, max."""
+    n = len(values)
+    std = statistics.stdev(values) if n > 1 else None  # one value has no spread
     return {
         "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "std": std,
+        "se": std / math.sqrt(n) if n > 1 else None,
+        "n": n,
         "min": min(values),
         "max": max(values),
     }
 
 
+def paired_differences(runs: list[dict], baseline_runs: list[dict], key: str = "val_loss") -> dict[int, float]:
+    """{seed: run[key] - baseline val_loss} for the seeds both have (same seed = same batches, same initial weights)."""
+    baseline = {run["seed"]: run["val_loss"] for run in baseline_runs}
+    return {run["seed"]: run[key] - baseline[run["seed"]] for run in runs if run["seed"] in baseline}
+
+
+def depth_gain_share(runs: list[dict], baseline_runs: list[dict], depth_runs: list[dict], target: float = 0.6) -> dict:
+    """
+    How much of the 2x-depth gain an arm closes, on the seeds all three share: the ratio of the mean paired gains, and
+    the paired test of the target, per seed (arm - baseline) - target * (depth - baseline): reached when that is
+    below 0 by 2 standard errors, missed when above 0 by 2, undecided otherwise.
+    """
+    gains, depth_gains = paired_differences(runs, baseline_runs), paired_differences(depth_runs, baseline_runs)
+    seeds = sorted(set(gains) & set(depth_gains))
+    if len(seeds) < 2:
+        return None
+    share = statistics.fmean(gains[s] for s in seeds) / statistics.fmean(depth_gains[s] for s in seeds)
+    test = mean_and_error([gains[s] - target * depth_gains[s] for s in seeds])
+    verdict = (
+        "reached" if test["mean"] < -2 * test["se"] else "missed" if test["mean"] > 2 * test["se"] else "undecided"
+    )
+    return {"share": share, "target": target, "arm_minus_target": test, "verdict": verdict}
+
+
 def load_corpus(data_paths, scale: TinyScale) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(train tokens, validation blocks, description): split by file; a single file is split 90/10 by position."""
+    """
+    (train tokens, validation blocks, description): split by file; a single file is split 90/10 by position. The
+    validation blocks are spread evenly over all validation files and are the same for every arm and seed.
+    """
     files = check_data_files(data_paths) if data_paths else stdlib_source_files()
     train_files, val_files = split_files(files)
     train = read_byte_tokens(train_files, max_tokens=MAX_TRAIN_TOKENS)
     if val_files:
-        val = read_byte_tokens(val_files, max_tokens=scale.eval_blocks * scale.block_size)
+        blocks, files_hit = spread_blocks(val_files, scale.block_size, scale.eval_blocks)
     else:
         cut = int(len(train) * 0.9)
         train, val = train[:cut], train[cut:]
+        num_blocks = min(scale.eval_blocks, len(val) // scale.block_size)
+        if num_blocks == 0:
+            raise DualFlowUserError(
+                f"validation data holds {len(val)} tokens, fewer than one block of {scale.block_size}"
+            )
+        blocks, files_hit = val[: num_blocks * scale.block_size].view(num_blocks, -1).long(), 0
     if len(train) <= scale.block_size:
         raise DualFlowUserError(
             f"training data holds {len(train)} tokens, need more than a block of {scale.block_size}"
         )
-    blocks = eval_blocks(val, scale.block_size, scale.eval_blocks)
     description = {
         "source": "--data files" if data_paths else f"Python {platform.python_version()} standard library sources",
         "files": len(files),
         "train_files": len(train_files),
         "val_files": len(val_files) or "last 10% of the single file",
+        "val_files_with_a_block": files_hit,
         "train_tokens_available": len(train),
+        "val_blocks": len(blocks),
         "val_tokens": blocks.numel(),
+        "val_sampling": "blocks at evenly spaced offsets over the concatenated validation files",
         "tokenization": "byte-level (UTF-8 bytes, vocab 256)",
     }
     return train, blocks, description
 
 
-def run_arms(arms, scale: TinyScale, seeds: list[int], train_tokens, val_blocks, show_progress=True) -> list[dict]:
-    """Train every arm for every seed (seed-major, so an interrupted run still covers all arms); one dict per arm."""
-    results = {arm.name: {"runs": []} for arm in arms}
-    with tqdm(total=len(arms) * len(seeds), desc="runs", disable=not show_progress) as bar:
-        for seed in seeds:
-            for arm in arms:
-                config = tiny_moe_config(scale, arm.top_k, arm.aux_top_k, arm.depth_factor)
-                start = time.perf_counter()
-                model, curve = train_language_model(
-                    config,
-                    train_tokens,
-                    scale,
-                    seed,
-                    steps=scale.steps * arm.token_factor,
-                    desc=f"{arm.name} (seed {seed})",
-                    show_progress=show_progress,
-                )
-                wall = time.perf_counter() - start
-                run = {"seed": seed, "wall_s": wall, "train_curve": curve}
-                run["val_loss"] = mean_token_nll(model, val_blocks, use_aux_flow=arm.dual)
-                run["primary_val_loss"] = mean_token_nll(model, val_blocks, use_aux_flow=False) if arm.dual else None
-                results[arm.name]["runs"].append(run)
-                bar.set_postfix_str(f"{arm.name}: val {run['val_loss']:.3f}")
-                bar.update()
+_WORKER_DATA: dict = {}
+
+
+def _init_worker(train_tokens, val_blocks, threads):
+    torch.set_num_threads(threads)
+    _WORKER_DATA.update(train=train_tokens, val=val_blocks)
+
+
+def train_and_score(arm: Arm, scale: TinyScale, seed: int, train_tokens=None, val_blocks=None) -> dict:
+    """One run: train `arm` from scratch with `seed`, score its prediction (and its primary flow) on the blocks."""
+    train_tokens = _WORKER_DATA["train"] if train_tokens is None else train_tokens
+    val_blocks = _WORKER_DATA["val"] if val_blocks is None else val_blocks
+    arm_scale, steps = arm.scale(scale), arm.steps(scale)
+    start = time.perf_counter()
+    model, curve = train_language_model(
+        arm.model_config(scale),
+        train_tokens,
+        arm_scale,
+        seed,
+        steps=steps,
+        show_progress=False,
+        copy_aux_embedding=arm.training.get("copy_aux_embedding", False),
+    )
+    train_s = time.perf_counter() - start
+    run = {"seed": seed, "train_s": train_s, "tokens_per_s": steps * scale.batch_size * scale.block_size / train_s}
+    run["val_loss"] = mean_token_nll(model, val_blocks, batch_size=32, use_aux_flow=arm.dual)
+    run["primary_val_loss"] = mean_token_nll(model, val_blocks, batch_size=32, use_aux_flow=False) if arm.dual else None
+    run["train_curve"] = curve
+    return run
+
+
+def run_arms(arms, scale, seeds, train_tokens, val_blocks, jobs=1, threads=1, on_run=None, show_progress=True):
+    """
+    Train every arm for every seed, `jobs` runs at a time in their own processes (`threads` torch threads each), in
+    seed-major order, so an interrupted run still covers every arm. `on_run(arm, run)` sees each finished run.
+    Returns {arm name: [runs]}.
+    """
+    tasks = [(arm, seed) for seed in seeds for arm in arms]
+    results = {arm.name: [] for arm in arms}
+    with tqdm(total=len(tasks), desc="runs", disable=not show_progress) as bar:
+
+        def finished(arm, run):
+            results[arm.name].append(run)
+            if on_run is not None:
+                on_run(arm, run)
+            bar.set_postfix_str(f"{arm.name} seed {run['seed']}: val {run['val_loss']:.4f}")
+            bar.update()
+
+        if jobs == 1:
+            torch.set_num_threads(threads)
+            for arm, seed in tasks:
+                finished(arm, train_and_score(arm, scale, seed, train_tokens, val_blocks))
+        else:
+            context = get_context("fork")  # workers share the loaded modules and data; torch resets its pools at fork
+            with context.Pool(jobs, _init_worker, (train_tokens, val_blocks, threads), maxtasksperchild=None) as pool:
+                pending = [(arm, pool.apply_async(train_and_score, (arm, scale, seed))) for arm, seed in tasks]
+                for arm, result in pending:
+                    finished(arm, result.get())
+    return results
+
+
+def summarize(arms, scale: TinyScale, results: dict) -> list[dict]:
+    """Per arm: costs, val loss over seeds, the paired difference to the baseline (the first arm) with its SE."""
     summary = []
+    baseline_runs = results[arms[0].name]
+    depth_runs = results.get(DEPTH_ARM)
     for arm in arms:
-        config = tiny_moe_config(scale, arm.top_k, arm.aux_top_k, arm.depth_factor)
-        runs = results[arm.name]["runs"]
-        entry = {"name": arm.name, "role": arm.role, **asdict(arm), **arm_costs(arm, config, scale)}
-        entry["val_loss"] = _mean_spread([run["val_loss"] for run in runs])
-        entry["primary_val_loss"] = _mean_spread([run["primary_val_loss"] for run in runs]) if arm.dual else None
-        entry["wall_s"] = _mean_spread([run["wall_s"] for run in runs])
+        runs = sorted(results[arm.name], key=lambda run: run["seed"])
+        if not runs:
+            continue
+        entry = {"name": arm.name, "role": arm.role, "dual": arm.dual, "config": dict(arm.config)}
+        entry |= {"training": dict(arm.training), **arm_costs(arm, scale)}
+        entry["val_loss"] = mean_and_error([run["val_loss"] for run in runs])
+        entry["primary_val_loss"] = mean_and_error([run["primary_val_loss"] for run in runs]) if arm.dual else None
+        entry["tokens_per_s"] = statistics.median(run["tokens_per_s"] for run in runs)
+        for key in ("val_loss", "primary_val_loss") if arm.dual else ("val_loss",):
+            deltas = list(paired_differences(runs, baseline_runs, key).values())
+            entry[f"{key}_delta"] = {"vs": arms[0].name, **mean_and_error(deltas)} if deltas else None
+        entry["depth_gain_share"] = (
+            depth_gain_share(runs, baseline_runs, depth_runs) if arm.dual and depth_runs else None
+        )
         entry["runs"] = runs
         summary.append(entry)
-    add_paired_deltas(summary)
     return summary
 
 
-def add_paired_deltas(arms: list[dict]) -> None:
-    """
-    Per arm, `val_loss_delta`: its val loss minus the first arm's (the single-flow k=2 baseline) for the same seed,
-    mean / std over seeds. Same seed = same batches and same initial shared weights, so pairing removes the part of
-    the seed-to-seed noise that the arms share (at tiny scale that part can be small).
-    """
-    baseline = {run["seed"]: run["val_loss"] for run in arms[0]["runs"]}
-    for arm in arms:
-        deltas = [run["val_loss"] - baseline[run["seed"]] for run in arm["runs"] if run["seed"] in baseline]
-        arm["val_loss_delta"] = {"vs": arms[0]["name"], **_mean_spread(deltas)} if deltas else None
+def format_error(stats: dict | None, digits: int = 4, sign: bool = True) -> str:
+    """ "mean ± SE" of a `mean_and_error` dict ("-" for None, the mean alone for one value)."""
+    if stats is None:
+        return "-"
+    mean = f"{stats['mean']:+.{digits}f}" if sign else f"{stats['mean']:.{digits}f}"
+    return mean if stats["n"] < 2 else f"{mean} ± {stats['se']:.{digits}f}"
+
+
+def format_rows(header: list[str], rows: list[list[str]]) -> str:
+    """A plain-text table, columns padded to their widest cell."""
+    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+    lines = [" | ".join(text.ljust(width) for text, width in zip(row, widths)) for row in [header] + rows]
+    lines.insert(1, "-+-".join("-" * width for width in widths))
+    return "\n".join(lines)
 
 
 def format_table(arms: list[dict]) -> str:
     header = [
         "arm",
-        "val loss (mean ± std)",
-        "Δ vs first arm, paired",
-        "primary-only val loss",
-        "train MFLOP/tok",
-        "train tokens",
+        "val loss (mean ± SE)",
+        "Δ vs first arm (paired ± SE)",
+        "primary flow Δ",
+        "share of 2x-depth gain",
+        "train tok/s",
         "prefill experts/tok",
         "decode experts/tok",
-        "wall s/run",
     ]
     rows = []
     for arm in arms:
-        primary = arm["primary_val_loss"]
+        share = arm.get("depth_gain_share")
         rows.append(
             [
                 arm["name"],
-                f"{arm['val_loss']['mean']:.4f} ± {arm['val_loss']['std']:.4f}",
-                f"{arm['val_loss_delta']['mean']:+.4f} ± {arm['val_loss_delta']['std']:.4f}",
-                f"{primary['mean']:.4f} ± {primary['std']:.4f}" if primary else "-",
-                f"{arm['train_flops_per_token'] / 1e6:.2f}",
-                f"{arm['train_tokens'] / 1e6:.2f}M",
+                format_error(arm["val_loss"], sign=False),
+                format_error(arm["val_loss_delta"]),
+                format_error(arm.get("primary_val_loss_delta")),
+                f"{share['share']:.0%} ({share['verdict']} 60%)" if share else "-",
+                f"{arm['tokens_per_s']:.0f}",
                 str(arm["prefill_experts_per_token"]),
                 str(arm["decode_experts_per_token"]),
-                f"{arm['wall_s']['mean']:.0f}",
             ]
         )
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-    lines = [" | ".join(text.ljust(width) for text, width in zip(row, widths)) for row in [header] + rows]
-    lines.insert(1, "-+-".join("-" * width for width in widths))
-    return "\n".join(lines)
+    return format_rows(header, rows)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -244,7 +436,7 @@ def plot_loss_curves(report: dict, path) -> None:
         smoothed = _smooth(mean_curve, window=max(1, len(mean_curve) // 25))
         lowest.append(min(smoothed))
         x = [(step + 1) * tokens_per_step / 1e6 for step in range(len(mean_curve))]
-        style = "--" if arm["aux_top_k"] else "-"
+        style = "--" if arm["dual"] else "-"
         ax.plot(x, smoothed, style, color=f"C{index}", label=f"{arm['name']} (val {arm['val_loss']['mean']:.3f})")
     ax.set(xlabel="training tokens (millions)", ylabel="training NLL of the prediction (nats/token, smoothed)")
     ax.set_ylim(min(lowest) - 0.1, min(lowest) + 1.5)
@@ -259,6 +451,7 @@ def plot_loss_curves(report: dict, path) -> None:
 
 
 def plot_frontier(report: dict, path) -> None:
+    """Paired Δ val loss vs the baseline (± SE) against prefill, decode and training cost."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,29 +466,24 @@ def plot_frontier(report: dict, path) -> None:
     for ax, (key, label) in zip(axes, panels):
         divisor = 1e12 if key == "train_flops_total" else 1e6
         for index, arm in enumerate(report["arms"]):
-            x = arm[key] / divisor
-            marker = "s" if arm["aux_top_k"] else "o"
+            delta = arm["val_loss_delta"]
+            x, se = arm[key] / divisor, delta["se"] if delta["n"] > 1 else 0.0
+            marker = "s" if arm["dual"] else "o"
             ax.errorbar(
-                x,
-                arm["val_loss"]["mean"],
-                yerr=arm["val_loss"]["std"],
-                fmt=marker,
-                color=f"C{index}",
-                capsize=3,
-                markersize=7,
-                label=arm["name"],
+                x, delta["mean"], yerr=se, fmt=marker, color=f"C{index}", capsize=3, markersize=7, label=arm["name"]
             )
             ax.annotate(
                 arm["name"],
-                (x, arm["val_loss"]["mean"]),
+                (x, delta["mean"]),
                 textcoords="offset points",
                 xytext=(5, 4),
                 fontsize=7,
                 color=f"C{index}",
             )
+        ax.axhline(0, color="gray", lw=0.8)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("validation loss (nats/token; mean ± std over seeds)")
+    axes[0].set_ylabel(f"Δ validation loss vs {report['arms'][0]['name']} (nats/token; paired mean ± SE)")
     axes[0].legend(fontsize=8)
     fig.suptitle("Cost vs quality: lower-left is better (squares = dual-flow)", fontsize=11)
     fig.tight_layout()
@@ -303,15 +491,43 @@ def plot_frontier(report: dict, path) -> None:
     plt.close(fig)
 
 
-def _command_line(args) -> str:
+def command_line(args) -> str:
     parts = ["dualflow", "experiment"] + (["--quick"] if args.quick else [])
-    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps)):
+    if args.regime != "scratch":
+        parts += ["--regime", args.regime]
+    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--jobs", args.jobs)):
         if value is not None:
             parts += [flag, str(value)]
     for flag, values in (("--data", args.data), ("--arms", args.arms)):
         if values:
             parts += [flag] + [shlex.quote(str(value)) for value in values]
     return " ".join(parts + ["--out", shlex.quote(str(args.out))])
+
+
+def select_arms(names) -> tuple[list[Arm], list[str]]:
+    """(arms to run, names left out because the model lacks their config fields); the baseline always comes first."""
+    names = names or ["default"]
+    chosen = []
+    for name in names:
+        for member in ARM_GROUPS.get(name, (name,)):
+            if member not in ARMS_BY_NAME:
+                raise DualFlowUserError(
+                    f"unknown arm {member!r}; arms: {', '.join(ARMS_BY_NAME)}; groups: {', '.join(ARM_GROUPS)}"
+                )
+            if member not in chosen:
+                chosen.append(member)
+    arms, skipped = [], []
+    for name in [BASELINE.name] + [name for name in chosen if name != BASELINE.name]:
+        missing = ARMS_BY_NAME[name].missing_config_fields()
+        if not missing:
+            arms.append(ARMS_BY_NAME[name])
+        elif name in names:  # asked for by name: say why it cannot run
+            raise DualFlowUserError(
+                f"arm {name!r} needs DualFlowConfig fields this version lacks: {', '.join(missing)}"
+            )
+        else:
+            skipped.append(name)
+    return arms, skipped
 
 
 def register(subparsers) -> None:
@@ -321,24 +537,31 @@ def register(subparsers) -> None:
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a smoke run of well under 3 minutes (too short to conclude anything)"
+        "--quick", action="store_true", help="a smoke run of a few seconds per arm (too short to conclude anything)"
+    )
+    parser.add_argument(
+        "--regime",
+        choices=("scratch", "upcycle"),
+        default="scratch",
+        help="scratch: every arm trained from scratch (default); upcycle: pretrain single-flow, save as Qwen3-MoE, "
+        "convert, continue each recipe for the same tokens",
     )
     parser.add_argument("--data", nargs="+", help="text files (default: the Python standard library sources)")
-    parser.add_argument("--seeds", type=int, help="seeds per arm (default 3; --quick: 2)")
+    parser.add_argument("--seeds", type=int, help=f"seeds per arm (default {DEFAULT_SEEDS}; --quick: 2)")
     parser.add_argument("--steps", type=int, help="training steps per arm (the 2x-tokens arm runs twice as many)")
     parser.add_argument(
         "--arms",
         nargs="+",
-        choices=[arm.name for arm in ARMS],
         metavar="ARM",
-        help=f"subset of arms (default all: {', '.join(repr(arm.name) for arm in ARMS)})",
+        help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default). Arms: {', '.join(repr(n) for n in ARMS_BY_NAME)}",
     )
     parser.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
+    parser.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: CPU count)")
     parser.add_argument(
         "--threads",
         type=int,
         default=1,
-        help="torch CPU threads (default 1: these matmuls are too small to gain from more)",
+        help="torch CPU threads per run (default 1: these matmuls are too small to gain from more)",
     )
     parser.set_defaults(func=run)
 
@@ -349,23 +572,26 @@ def run(args) -> int:
         if args.steps < 1:
             raise DualFlowUserError(f"--steps must be >= 1, got {args.steps}")
         scale = replace(scale, steps=args.steps, warmup_steps=min(scale.warmup_steps, args.steps))
-    num_seeds = args.seeds if args.seeds is not None else (2 if args.quick else 3)
+    num_seeds = args.seeds if args.seeds is not None else (2 if args.quick else DEFAULT_SEEDS)
     if num_seeds < 1:
         raise DualFlowUserError(f"--seeds must be >= 1, got {num_seeds}")
-    if args.threads < 1:
-        raise DualFlowUserError(f"--threads must be >= 1, got {args.threads}")
-    torch.set_num_threads(args.threads)
-    arms = [arm for arm in ARMS if not args.arms or arm.name in args.arms]
+    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    if jobs < 1 or args.threads < 1:
+        raise DualFlowUserError(f"--jobs and --threads must be >= 1, got {jobs} and {args.threads}")
+    if args.regime == "upcycle":
+        from .upcycle import run_upcycle  # imports the converter and PEFT, which the default regime does not need
+
+        return run_upcycle(args, scale, num_seeds, jobs)
+    arms, skipped = select_arms(args.arms)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise DualFlowUserError(f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
 
     train_tokens, val_blocks, data = load_corpus(args.data, scale)
-    started = time.perf_counter()
-    summary = run_arms(arms, scale, list(range(num_seeds)), train_tokens, val_blocks)
     report = {
         "schema": SCHEMA,
-        "command": _command_line(args),
+        "command": command_line(args),
         "quick": args.quick,
         "scale": asdict(scale),
         "seeds": list(range(num_seeds)),
@@ -373,24 +599,43 @@ def run(args) -> int:
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
+            "jobs": jobs,
+            "torch_threads_per_job": args.threads,
             "python": platform.python_version(),
         },
         "flops_formula": FLOPS_FORMULA,
-        "wall_s_total": time.perf_counter() - started,
-        "arms": summary,
+        "arms_left_out": skipped,
     }
-    report["table"] = format_table(summary)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "experiment.json").write_text(json.dumps(report, indent=1))
+    started = time.perf_counter()
+
+    def save(results, complete=False):
+        report["complete"] = complete
+        report["wall_s_total"] = time.perf_counter() - started
+        report["arms"] = summarize(arms, scale, results)
+        report["table"] = format_table(report["arms"])
+        (out / "experiment.json").write_text(json.dumps(report, indent=1))
+
+    partial = {arm.name: [] for arm in arms}
+
+    def on_run(arm, run):  # a partial report after every run: a long run that is cut short keeps its results
+        partial[arm.name].append(run)
+        if partial[arms[0].name]:
+            save(partial)
+
+    results = run_arms(arms, scale, list(range(num_seeds)), train_tokens, val_blocks, jobs, args.threads, on_run)
+    save(results, complete=True)
     plot_loss_curves(report, out / "loss_curves.png")
     plot_frontier(report, out / "frontier.png")
     print(report["table"])
     print(
         f"val loss: mean next-token NLL of the prediction (aux flow for dual arms) over {data['val_tokens']} held-out "
-        f"tokens; ± = std over {num_seeds} seed(s). Total {report['wall_s_total'] / 60:.1f} min."
+        f"tokens; Δ: paired by seed, ± = standard error over {num_seeds} seed(s). "
+        f"Total {report['wall_s_total'] / 60:.1f} min."
     )
+    if skipped:
+        print(f"left out (this model version lacks their config fields): {', '.join(skipped)}")
     print(f"wrote {out / 'experiment.json'}, {out / 'loss_curves.png'}, {out / 'frontier.png'}")
     if args.quick:
         print("--quick: far too few steps to conclude anything; run without --quick for the real comparison.")

@@ -1,14 +1,15 @@
 """Tiny byte-level MoE language models trained from scratch: the built-in model of `dualflow compare` and the arms of
 `dualflow experiment`. A plain AdamW loop: at this size it is much faster than `Trainer` and easy to read."""
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
+from modeling_dualflow.modeling_dualflow import DualFlowExperts, DualFlowTopKRouter
 
 from .data import BYTE_VOCAB_SIZE, random_batch
 
@@ -29,12 +30,18 @@ class TinyScale:
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     eval_blocks: int = 64
+    weight_decay: float = 0.1
+    adam_beta2: float = 0.95
+    router_aux_loss_coef: float = 0.001
+    # "model": the model's own init (normal with `initializer_range`); "torch": PyTorch's layer defaults.
+    init: str = "model"
 
 
 def tiny_moe_config(
-    scale: TinyScale, top_k: int, aux_top_k: int | None = None, depth_factor: int = 1
+    scale: TinyScale, top_k: int, aux_top_k: int | None = None, depth_factor: int = 1, **overrides
 ) -> DualFlowConfig:
-    """Byte-level MoE config; `aux_top_k=None` makes a single-flow model (aux flow off by default)."""
+    """Byte-level MoE config; `aux_top_k=None` makes a single-flow model (aux flow off by default). `overrides` are
+    further `DualFlowConfig` fields."""
     return DualFlowConfig(
         vocab_size=BYTE_VOCAB_SIZE,
         hidden_size=scale.hidden_size,
@@ -48,7 +55,27 @@ def tiny_moe_config(
         moe_intermediate_size=scale.moe_intermediate_size,
         max_position_embeddings=max(scale.block_size, 2048),
         use_aux_flow=aux_top_k is not None,
+        router_aux_loss_coef=scale.router_aux_loss_coef,
+        **overrides,
     )
+
+
+@torch.no_grad()
+def torch_default_init(model: DualFlowForCausalLM) -> None:
+    """
+    PyTorch's layer defaults instead of the model's N(0, initializer_range): embeddings N(0, 1), linear layers and the
+    router uniform(+-1/sqrt(fan_in)), experts N(0, 1/fan_in). Norms stay 1 and couplings 0. At tiny width this init
+    trains Dual-Flow better than transformers' 0.02 (docs/results/README.md).
+    """
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.reset_parameters()
+        elif isinstance(module, DualFlowExperts):
+            torch.nn.init.normal_(module.gate_up_proj, std=module.hidden_dim**-0.5)
+            torch.nn.init.normal_(module.down_proj, std=module.intermediate_dim**-0.5)
+        elif isinstance(module, DualFlowTopKRouter):
+            bound = module.weight.shape[1] ** -0.5
+            torch.nn.init.uniform_(module.weight, -bound, bound)
 
 
 def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -71,17 +98,6 @@ def mean_token_nll(model, blocks: torch.Tensor, batch_size: int = 8, **forward_k
     return total / count
 
 
-def _lr_lambda(warmup_steps: int, total_steps: int):
-    # Linear warmup, then cosine decay to 10% of the peak.
-    def factor(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
 def train_language_model(
     config: DualFlowConfig,
     train_tokens: torch.Tensor,
@@ -90,26 +106,56 @@ def train_language_model(
     steps: int | None = None,
     desc: str = "train",
     show_progress: bool = True,
+    copy_aux_embedding: bool = False,
 ) -> tuple[DualFlowForCausalLM, list[float]]:
     """
     Train from scratch; returns (model in eval mode, per-step training NLL of the prediction). The loss is the model's
     own (from labels): CE(prediction) (+ primary_loss_weight * CE(primary) with the aux flow on) + router balance loss. The seed
     fixes both the initial weights and the sequence of batches, so arms with equal seeds see the same data.
+    `copy_aux_embedding` starts the aux embedding as a copy of the primary one (as upcycling does) instead of its own
+    draw.
     """
     steps = steps or scale.steps
     torch.manual_seed(seed)
-    model = DualFlowForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=scale.learning_rate, betas=(0.9, 0.95), weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(scale.warmup_steps, steps))
-    batches = torch.Generator().manual_seed(seed)
+    model = DualFlowForCausalLM(config)
+    if scale.init == "torch":
+        torch_default_init(model)
+    if copy_aux_embedding:
+        with torch.no_grad():
+            model.model.aux_embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    return model, train_model(model, train_tokens, scale, seed, steps, desc, show_progress)
+
+
+def train_model(
+    model,
+    train_tokens: torch.Tensor,
+    scale: TinyScale,
+    batch_seed: int,
+    steps: int,
+    desc: str = "train",
+    show_progress: bool = True,
+) -> list[float]:
+    """
+    Train the parameters of `model` that require grad on `steps` batches drawn with `batch_seed`, with the recipe of
+    `scale` (AdamW, linear warmup, cosine decay to 10% of the peak); leaves the model in eval mode and returns the
+    per-step training NLL of the prediction.
+    """
+    model.train()
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable, lr=scale.learning_rate, betas=(0.9, scale.adam_beta2), weight_decay=scale.weight_decay
+    )
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, scale.warmup_steps, steps, min_lr_rate=0.1)
+    batches = torch.Generator().manual_seed(batch_seed)
     curve = []
     for _ in tqdm(range(steps), desc=desc, disable=not show_progress, leave=False):
         input_ids = random_batch(train_tokens, scale.batch_size, scale.block_size, batches)
         outputs = model(input_ids, labels=input_ids, output_router_logits=True)
         outputs.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         curve.append(next_token_nll(outputs.logits.detach(), input_ids).item())
-    return model.eval(), curve
+    model.eval()
+    return curve

@@ -1,0 +1,247 @@
+"""`dualflow experiment --regime upcycle`: the package's real use, measured end to end.
+
+Per seed: pretrain a single-flow MoE, save it as a transformers Qwen3-MoE checkpoint, convert it with the real
+`convert_checkpoint` (k_a = k_p and k_a = 2 k_p), then continue every recipe for the same tokens on the same new
+batches: the single-flow model continued (what a user would otherwise do), dual full training, dual aux-only, and
+LoRA on the shared weights + the aux flow. Aux (prediction) and primary validation losses are paired by seed.
+"""
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.utils.logging import disable_progress_bar
+
+from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
+
+from ..convert import convert_checkpoint
+from ..errors import DualFlowUserError
+from ..lora import add_lora
+from .experiment import (
+    command_line,
+    format_error,
+    format_rows,
+    load_corpus,
+    mean_and_error,
+    paired_differences,
+)
+from .tiny_lm import TinyScale, mean_token_nll, tiny_moe_config, train_language_model, train_model
+
+
+SCHEMA = "dualflow-upcycle/1"
+CONTINUE_SEED_OFFSET = 10_000  # continued training draws batches the pretraining never drew in that order
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to continue: `aux_factor` None = single flow, else k_a = aux_factor * k_p; `train` = all / aux / lora."""
+
+    name: str
+    aux_factor: int | None
+    train: str
+    config: dict = field(default_factory=dict)
+
+    def missing_config_fields(self) -> list[str]:
+        known = DualFlowConfig().to_dict()
+        return [key for key in self.config if key not in known]
+
+
+RECIPES = (
+    Recipe("single continued", None, "all"),
+    Recipe("dual full ka=kp", 1, "all"),
+    Recipe("dual full ka=2kp", 2, "all"),
+    Recipe("dual aux-only ka=kp", 1, "aux"),
+    Recipe("dual aux-only ka=2kp", 2, "aux"),
+    Recipe("dual lora+aux ka=kp", 1, "lora"),
+    Recipe("dual lora+aux ka=2kp", 2, "lora"),
+    # Issue 14's aux adapters join once the model has the field.
+    Recipe("dual aux-only+adapters ka=kp", 1, "aux", {"aux_adapter_rank": 16}),
+    Recipe("dual aux-only+adapters ka=2kp", 2, "aux", {"aux_adapter_rank": 16}),
+)
+BASELINE = RECIPES[0].name
+
+
+def save_as_qwen3_moe(model: DualFlowForCausalLM, folder: Path) -> Path:
+    """Save the primary flow of a single-flow Dual-Flow model as transformers' Qwen3-MoE (same weight names)."""
+    c = model.config
+    source = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            moe_intermediate_size=c.moe_intermediate_size,
+            num_hidden_layers=c.num_hidden_layers,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            num_experts=c.num_experts,
+            num_experts_per_tok=c.num_experts_per_tok,
+            norm_topk_prob=c.norm_topk_prob,
+            decoder_sparse_step=c.decoder_sparse_step,
+            mlp_only_layers=c.mlp_only_layers,
+            max_position_embeddings=c.max_position_embeddings,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_parameters=c.rope_parameters,
+            router_aux_loss_coef=c.router_aux_loss_coef,
+            attention_bias=c.attention_bias,
+            tie_word_embeddings=False,
+        )
+    )
+    aux = set(model.aux_parameter_names())
+    source.load_state_dict({name: value for name, value in model.state_dict().items() if name not in aux})
+    source.save_pretrained(folder)
+    return folder
+
+
+def trainable_model(recipe: Recipe, folder: Path):
+    """Load the converted checkpoint for `recipe` and leave exactly its parameters trainable."""
+    model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=recipe.aux_factor is not None, **recipe.config)
+    if recipe.aux_factor is None:  # single flow: the aux parameters exist but take no part
+        aux = set(model.aux_parameter_names())
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name not in aux)
+    elif recipe.train == "aux":
+        model.freeze_for_aux_training()
+    elif recipe.train == "lora":
+        model = add_lora(model)
+    return model
+
+
+def losses(model, val_blocks, dual: bool) -> dict:
+    return {
+        "aux_val_loss": mean_token_nll(model, val_blocks, batch_size=32, use_aux_flow=True) if dual else None,
+        "primary_val_loss": mean_token_nll(model, val_blocks, batch_size=32, use_aux_flow=False),
+    }
+
+
+def upcycle_seed(recipes, scale: TinyScale, continue_steps: int, seed: int, train_tokens, val_blocks) -> dict:
+    """Pretrain, save, convert and continue every recipe for one seed; returns {"base": ..., recipe name: run}."""
+    torch.set_num_threads(1)
+    config = tiny_moe_config(scale, top_k=2, qk_norm="per_head")  # Qwen3-MoE normalises q and k per head
+    base, _ = train_language_model(config, train_tokens, scale, seed, show_progress=False)
+    result = {"base": {"seed": seed, **losses(base, val_blocks, dual=False)}}
+    with tempfile.TemporaryDirectory(prefix="dualflow-upcycle-") as tmp:
+        source = save_as_qwen3_moe(base, Path(tmp) / "qwen3-moe")
+        converted = {}
+        for factor in sorted({recipe.aux_factor or 1 for recipe in recipes}):
+            converted[factor] = Path(tmp) / f"dualflow-ka{factor}x"
+            convert_checkpoint(
+                source, converted[factor], aux_top_k=factor * config.num_experts_per_tok, show_progress=False
+            )
+            initial = DualFlowForCausalLM.from_pretrained(converted[factor])
+            result["base"][f"aux_val_loss_at_conversion_ka{factor}x"] = losses(initial, val_blocks, dual=True)[
+                "aux_val_loss"
+            ]
+        for recipe in recipes:
+            model = trainable_model(recipe, converted[recipe.aux_factor or 1])
+            start = time.perf_counter()
+            train_model(model, train_tokens, scale, seed + CONTINUE_SEED_OFFSET, continue_steps, show_progress=False)
+            train_s = time.perf_counter() - start
+            result[recipe.name] = {
+                "seed": seed,
+                "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                "tokens_per_s": continue_steps * scale.batch_size * scale.block_size / train_s,
+                **losses(model, val_blocks, dual=recipe.aux_factor is not None),
+            }
+    return result
+
+
+def summarize(recipes, per_seed: list[dict]) -> list[dict]:
+    """Per recipe: losses over seeds and their paired differences to the single-flow continued model and the base."""
+    base_runs = [result["base"] for result in per_seed]
+    baseline_runs = [{**result[BASELINE], "val_loss": result[BASELINE]["primary_val_loss"]} for result in per_seed]
+    base_as_baseline = [{**run, "val_loss": run["primary_val_loss"]} for run in base_runs]
+    summary = []
+    for recipe in recipes:
+        runs = [result[recipe.name] for result in per_seed]
+        key = "aux_val_loss" if recipe.aux_factor else "primary_val_loss"
+        entry = {"name": recipe.name, **asdict(recipe), "runs": runs}
+        entry["trainable_params"] = runs[0]["trainable_params"]
+        entry["tokens_per_s"] = statistics.median(run["tokens_per_s"] for run in runs)
+        for loss in ("aux_val_loss", "primary_val_loss"):
+            values = [run[loss] for run in runs if run[loss] is not None]
+            entry[loss] = mean_and_error(values) if values else None
+        entry["prediction_vs_single_continued"] = mean_and_error(
+            list(paired_differences(runs, baseline_runs, key).values())
+        )
+        entry["prediction_vs_base"] = mean_and_error(list(paired_differences(runs, base_as_baseline, key).values()))
+        entry["primary_vs_single_continued"] = mean_and_error(
+            list(paired_differences(runs, baseline_runs, "primary_val_loss").values())
+        )
+        summary.append(entry)
+    return summary
+
+
+def format_table(summary: list[dict], base: dict) -> str:
+    header = ["recipe", "prediction val loss", "Δ vs single continued", "Δ vs base", "primary Δ vs single continued"]
+    header += ["trainable params", "train tok/s"]
+    rows = [["base (pretrained)", f"{base['mean']:.4f}", "-", "-", "-", "-", "-"]]
+    for entry in summary:
+        loss = entry["aux_val_loss"] or entry["primary_val_loss"]
+        rows.append(
+            [
+                entry["name"],
+                format_error(loss, sign=False),
+                format_error(entry["prediction_vs_single_continued"]),
+                format_error(entry["prediction_vs_base"]),
+                format_error(entry["primary_vs_single_continued"]),
+                f"{entry['trainable_params']:,}",
+                f"{entry['tokens_per_s']:.0f}",
+            ]
+        )
+    return format_rows(header, rows)
+
+
+def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
+    """Pretrain `scale.steps`, continue half as many; the options were checked by `experiment.run`."""
+    continue_steps = max(1, scale.steps // 2)
+    recipes = [recipe for recipe in RECIPES if not recipe.missing_config_fields()]
+    skipped = [recipe.name for recipe in RECIPES if recipe.missing_config_fields()]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise DualFlowUserError(f"--out {out} exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    train_tokens, val_blocks, data = load_corpus(args.data, scale)
+    disable_progress_bar()  # transformers' per-load weight bars, dozens per seed
+    started = time.perf_counter()
+    tasks = [(recipes, scale, continue_steps, seed, train_tokens, val_blocks) for seed in range(num_seeds)]
+    if jobs == 1:
+        per_seed = [upcycle_seed(*task) for task in tasks]
+    else:
+        with get_context("fork").Pool(min(jobs, num_seeds)) as pool:
+            per_seed = pool.starmap(upcycle_seed, tasks)
+    summary = summarize(recipes, per_seed)
+    base = mean_and_error([result["base"]["primary_val_loss"] for result in per_seed])
+    report = {
+        "schema": SCHEMA,
+        "command": command_line(args),
+        "quick": args.quick,
+        "scale": asdict(scale),
+        "pretrain_steps": scale.steps,
+        "continue_steps": continue_steps,
+        "seeds": list(range(num_seeds)),
+        "data": data,
+        "wall_s_total": time.perf_counter() - started,
+        "base": {"primary_val_loss": base, "runs": [result["base"] for result in per_seed]},
+        "recipes_left_out": skipped,
+        "recipes": summary,
+        "table": format_table(summary, base),
+    }
+    (out / "upcycle.json").write_text(json.dumps(report, indent=1))
+    print(report["table"])
+    print(
+        f"prediction = aux flow for dual recipes; Δ paired by seed, ± = standard error over {num_seeds} seed(s); "
+        f"pretrain {scale.steps} steps, continue {continue_steps} steps. Total {report['wall_s_total'] / 60:.1f} min."
+    )
+    if skipped:
+        print(f"left out (this model version lacks their config fields): {', '.join(skipped)}")
+    print(f"wrote {out / 'upcycle.json'}")
+    if args.quick:
+        print("--quick: far too few steps to conclude anything; run without --quick for the real comparison.")
+    return 0

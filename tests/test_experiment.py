@@ -1,0 +1,162 @@
+"""`dualflow experiment`: validation sampling, paired statistics, data-driven arms, costs, the --quick paths end to end."""
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from dualflow.cli import main
+from dualflow.errors import DualFlowUserError
+from dualflow.instruments.data import read_byte_tokens, spread_blocks
+from dualflow.instruments.experiment import (
+    ARMS_BY_NAME,
+    DEFAULT_ARMS,
+    DEFAULT_SCALE,
+    Arm,
+    arm_costs,
+    depth_gain_share,
+    dual,
+    flow_forward_flops,
+    mean_and_error,
+    paired_differences,
+    select_arms,
+)
+from dualflow.instruments.tiny_lm import TinyScale
+
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+SMALL_TEXT_FILES = [STDLIB / name for name in ("textwrap.py", "string.py", "shlex.py", "colorsys.py", "bisect.py")]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_validation_blocks_span_every_file(tmp_path):
+    files = []
+    for index in range(10):  # ten files of 300 bytes, each filled with its own letter
+        files.append(tmp_path / f"f{index}.txt")
+        files[-1].write_text(chr(ord("a") + index) * 298)
+    blocks, files_hit = spread_blocks(files, block_size=16, num_blocks=40)
+    assert blocks.shape == (40, 16) and files_hit == 10
+    stream = read_byte_tokens(files)
+    assert blocks[0].tolist() == stream[:16].tolist() and blocks[-1].tolist() == stream[-16:].tolist()
+    letters = {chr(token) for token in blocks.flatten().tolist()} - {"\n"}
+    assert letters == set("abcdefghij")
+    # Asking for more blocks than fit gives fewer, non-overlapping ones (still from first to last file).
+    blocks, files_hit = spread_blocks(files, block_size=100, num_blocks=1000)
+    assert blocks.shape == (30, 100) and files_hit == 10
+    assert blocks.flatten().tolist() == stream[:3000].tolist()
+
+
+def test_paired_standard_error_on_known_numbers():
+    baseline = [{"seed": 0, "val_loss": 1.0}, {"seed": 1, "val_loss": 2.0}, {"seed": 2, "val_loss": 3.0}]
+    arm = [{"seed": 2, "val_loss": 2.95}, {"seed": 0, "val_loss": 0.9}, {"seed": 1, "val_loss": 1.8}]
+    arm.append({"seed": 7, "val_loss": 0.0})  # no baseline run at seed 7: not paired, left out
+    deltas = paired_differences(arm, baseline)
+    assert deltas == pytest.approx({0: -0.1, 1: -0.2, 2: -0.05})
+    stats = mean_and_error(list(deltas.values()))
+    # mean -0.35/3; deviations 1/60, -5/60, 4/60 -> variance (1 + 25 + 16) / 3600 / 2 = 42/7200
+    assert stats["mean"] == pytest.approx(-0.35 / 3)
+    assert stats["std"] == pytest.approx(math.sqrt(42 / 7200))
+    assert stats["se"] == pytest.approx(math.sqrt(42 / 7200) / math.sqrt(3)) and stats["n"] == 3
+    depth = [{"seed": s, "val_loss": base["val_loss"] - 0.2} for s, base in enumerate(baseline)]
+    share = depth_gain_share(arm, baseline, depth)
+    assert share["share"] == pytest.approx((-0.35 / 3) / -0.2)
+    # per seed: delta - 0.6 * (-0.2) = 0.02, -0.08, 0.07: mean 0.00333, SE 0.0437 -> undecided
+    assert share["arm_minus_target"]["mean"] == pytest.approx(0.01 / 3) and share["verdict"] == "undecided"
+    strong = [{"seed": s, "val_loss": base["val_loss"] - 0.19 - 0.01 * s} for s, base in enumerate(baseline)]
+    assert depth_gain_share(strong, baseline, depth)["verdict"] == "reached"
+
+
+def test_arms_are_data_and_unknown_config_fields_are_refused():
+    arm = ARMS_BY_NAME["dual kp1 ka3"]
+    config = arm.model_config(DEFAULT_SCALE)
+    assert arm.dual and config.use_aux_flow and (config.num_experts_per_tok, config.aux_num_experts_per_tok) == (1, 3)
+    deep = ARMS_BY_NAME["single k2 2x depth"].model_config(DEFAULT_SCALE)
+    assert deep.num_hidden_layers == 2 * DEFAULT_SCALE.num_hidden_layers and not deep.use_aux_flow
+    assert ARMS_BY_NAME["single k2 2x tokens"].steps(DEFAULT_SCALE) == 2 * DEFAULT_SCALE.steps
+    init_arm = ARMS_BY_NAME["dual kp2 ka4 init 0.02"]
+    assert (
+        init_arm.scale(DEFAULT_SCALE).init == "model" and init_arm.model_config(DEFAULT_SCALE).initializer_range == 0.02
+    )
+    assert ARMS_BY_NAME["dual kp2 ka4 plw 2"].model_config(DEFAULT_SCALE).primary_loss_weight == 2.0
+    # A config field the model does not have yet would be kept silently as an extra: such an arm is left out of the
+    # groups and refused by name.
+    future = dual(2, 4, "future", not_a_dual_flow_field=3)
+    assert future.missing_config_fields() == ["not_a_dual_flow_field"]
+    arms, skipped = select_arms(None)
+    names = [arm.name for arm in arms]
+    assert names[0] == "single k2" and set(names) | set(skipped) == set(DEFAULT_ARMS)
+    assert all(not ARMS_BY_NAME[name].missing_config_fields() for name in names)
+    assert [arm.name for arm in select_arms(["single k4"])[0]] == ["single k2", "single k4"]
+    with pytest.raises(DualFlowUserError, match="unknown arm"):
+        select_arms(["single k3"])
+    assert isinstance(arms[0], Arm)
+
+
+def test_flops_and_expert_counts():
+    scale = TinyScale()
+    config = ARMS_BY_NAME["single k2"].model_config(scale)
+    d, q, kv, n_exp, inter, V = 64, 64, 32, 8, 64, 256
+    per_layer = 2 * d * 2 * q + 2 * d * 2 * kv + 2 * 2 * 10 * q + 2 * d * n_exp + 2 * 2 * 3 * d * inter
+    assert flow_forward_flops(config, context=10, top_k=2) == 2 * per_layer + 2 * d * V
+    aux_layer = 2 * d * 2 * q + 2 * 2 * 10 * q + 2 * d * n_exp + 4 * 2 * 3 * d * inter
+    assert flow_forward_flops(config, context=10, top_k=4, aux=True) == 2 * aux_layer + 2 * d * V
+    costs = {name: arm_costs(arm, scale) for name, arm in ARMS_BY_NAME.items() if not arm.missing_config_fields()}
+    assert costs["dual kp2 ka4"]["prefill_experts_per_token"] == costs["single k2"]["prefill_experts_per_token"] == 4
+    assert costs["dual kp2 ka4"]["decode_experts_per_token"] == 12  # (2 + 4) experts in each of 2 layers
+    assert costs["dual kp2 ka4"]["prefill_flops_per_token"] == costs["single k2"]["prefill_flops_per_token"]
+    assert costs["single k2 2x depth"]["prefill_experts_per_token"] == 8
+    assert costs["single k2 2x tokens"]["train_flops_total"] == 2 * costs["single k2"]["train_flops_total"]
+    assert costs["single k2 2x tokens"]["train_flops_per_token"] == costs["single k2"]["train_flops_per_token"]
+    assert costs["dual kp1 ka3"]["decode_experts_per_token"] == costs["dual kp3 ka1"]["decode_experts_per_token"]
+
+
+def test_experiment_quick_path_writes_json_and_plots(tmp_path, capsys):
+    out = tmp_path / "exp"
+    argv = ["experiment", "--quick", "--steps", "2", "--seeds", "2", "--jobs", "2", "--out", str(out), "--data"]
+    assert main(argv + [str(path) for path in SMALL_TEXT_FILES]) == 0
+    printed = capsys.readouterr().out
+    assert "too few steps to conclude anything" in printed
+    report = json.loads((out / "experiment.json").read_text())
+    assert report["schema"] == "dualflow-experiment/2" and report["quick"] is True and report["seeds"] == [0, 1]
+    assert report["complete"] and report["data"]["val_tokens"] == report["data"]["val_blocks"] * 32
+    names = [arm["name"] for arm in report["arms"]]
+    assert names == [name for name in DEFAULT_ARMS if name not in report["arms_left_out"]]
+    baseline_losses = [run["val_loss"] for run in report["arms"][0]["runs"]]
+    for arm in report["arms"]:
+        assert arm["name"] in printed and [run["seed"] for run in arm["runs"]] == [0, 1]
+        losses = [run["val_loss"] for run in arm["runs"]]
+        assert arm["val_loss"]["mean"] == pytest.approx(sum(losses) / 2)
+        deltas = [loss - base for loss, base in zip(losses, baseline_losses)]
+        assert arm["val_loss_delta"]["mean"] == pytest.approx(sum(deltas) / 2)
+        assert arm["val_loss_delta"]["se"] == pytest.approx(abs(deltas[0] - deltas[1]) / 2)
+        assert (arm["primary_val_loss"] is not None) == arm["dual"] and arm["tokens_per_s"] > 0
+        assert len(arm["runs"][0]["train_curve"]) == 2 * arm["training"].get("token_factor", 1)
+    for name in ("loss_curves.png", "frontier.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    assert main(["experiment", "--quick", "--seeds", "0", "--out", str(out)]) == 2
+
+
+def test_upcycle_quick_path_pairs_recipes_with_the_converted_base(tmp_path, capsys):
+    out = tmp_path / "up"
+    argv = ["experiment", "--regime", "upcycle", "--quick", "--steps", "4", "--seeds", "2", "--jobs", "1"]
+    assert main(argv + ["--out", str(out), "--data"] + [str(path) for path in SMALL_TEXT_FILES]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "upcycle.json").read_text())
+    assert report["schema"] == "dualflow-upcycle/1" and report["continue_steps"] == 2
+    recipes = {recipe["name"]: recipe for recipe in report["recipes"]}
+    assert {"single continued", "dual full ka=2kp", "dual aux-only ka=2kp", "dual lora+aux ka=kp"} <= set(recipes)
+    for base in report["base"]["runs"]:
+        # convert's exact-parity guarantee: at k_a = k_p the untrained aux flow is the saved Qwen3-MoE model
+        assert base["aux_val_loss_at_conversion_ka1x"] == pytest.approx(base["primary_val_loss"], abs=1e-5)
+        assert base["aux_val_loss_at_conversion_ka2x"] != pytest.approx(base["primary_val_loss"], abs=1e-5)
+    for name in ("dual aux-only ka=kp", "dual aux-only ka=2kp"):  # frozen shared weights: the primary flow is the base
+        primaries = [run["primary_val_loss"] for run in recipes[name]["runs"]]
+        assert primaries == pytest.approx([run["primary_val_loss"] for run in report["base"]["runs"]], abs=1e-6)
+    full, single, aux_only = (
+        recipes[n]["trainable_params"] for n in ("dual full ka=kp", "single continued", "dual aux-only ka=kp")
+    )
+    assert full == single + aux_only and aux_only < recipes["dual lora+aux ka=kp"]["trainable_params"] < single
+    assert recipes["single continued"]["prediction_vs_single_continued"]["mean"] == 0
+    assert all(name in printed for name in recipes)
