@@ -57,7 +57,7 @@ QUICK_SCALE = replace(
     warmup_steps=2,
     eval_blocks=32,
 )
-DEFAULT_SEEDS = 5
+DEFAULT_SEEDS = 6
 MAX_TRAIN_TOKENS = 20_000_000
 # How an arm's training may differ from the baseline's: scale fields, or these three.
 TRAINING_KEYS = {"depth_factor", "token_factor", "copy_aux_embedding"} | set(TinyScale.__dataclass_fields__)
