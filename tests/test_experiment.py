@@ -131,7 +131,9 @@ def test_experiment_quick_path_writes_json_and_plots(tmp_path, capsys):
         deltas = [loss - base for loss, base in zip(losses, baseline_losses)]
         assert arm["val_loss_delta"]["mean"] == pytest.approx(sum(deltas) / 2)
         assert arm["val_loss_delta"]["se"] == pytest.approx(abs(deltas[0] - deltas[1]) / 2)
-        assert (arm["primary_val_loss"] is not None) == arm["dual"] and arm["tokens_per_s"] > 0
+        assert (arm["primary_val_loss"] is not None) == arm["dual"] and arm["tokens_per_s"] > 0 < arm[
+            "tokens_per_cpu_s"
+        ]
         assert len(arm["runs"][0]["train_curve"]) == 2 * arm["training"].get("token_factor", 1)
     for name in ("loss_curves.png", "frontier.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
