@@ -6,6 +6,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from dualflow.cli import main
 from dualflow.errors import DualFlowUserError
@@ -23,7 +24,8 @@ from dualflow.instruments.experiment import (
     paired_differences,
     select_arms,
 )
-from dualflow.instruments.tiny_lm import TinyScale
+from dualflow.instruments.tiny_lm import TinyScale, torch_default_init
+from modeling_dualflow import DualFlowForCausalLM
 
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -162,3 +164,22 @@ def test_upcycle_quick_path_pairs_recipes_with_the_converted_base(tmp_path, caps
     assert full == single + aux_only and aux_only < recipes["dual lora+aux ka=kp"]["trainable_params"] < single
     assert recipes["single continued"]["prediction_vs_single_continued"]["mean"] == 0
     assert all(name in printed for name in recipes)
+
+
+def test_torch_default_init_follows_pytorch_layer_defaults():
+    torch.manual_seed(0)
+    config = ARMS_BY_NAME["dual kp2 ka4"].model_config(DEFAULT_SCALE)
+    model = DualFlowForCausalLM(config)
+    torch_default_init(model)
+    inner, layer = model.model, model.model.layers[0]
+    assert (
+        abs(inner.embed_tokens.weight.std().item() - 1) < 0.05
+        and abs(inner.aux_embed_tokens.weight.std().item() - 1) < 0.05
+    )
+    bound = config.hidden_size**-0.5  # nn.Linear's default: uniform(+-1/sqrt(fan_in))
+    for weight in (layer.self_attn.q_proj.weight, layer.mlp.gate.weight, model.lm_head.weight):
+        assert weight.abs().max().item() <= bound and weight.abs().max().item() > 0.9 * bound
+    experts = layer.mlp.experts
+    assert abs(experts.gate_up_proj.std().item() * config.hidden_size**0.5 - 1) < 0.05
+    assert abs(experts.down_proj.std().item() * config.moe_intermediate_size**0.5 - 1) < 0.05
+    assert (layer.aux_coupling.weight == 0).all() and (layer.input_layernorm.weight == 1).all()

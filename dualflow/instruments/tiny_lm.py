@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
-from modeling_dualflow.modeling_dualflow import DualFlowExperts, DualFlowTopKRouter
+from modeling_dualflow.modeling_dualflow import DualFlowExperts, DualFlowRouter
 
 from .data import BYTE_VOCAB_SIZE, random_batch
 
@@ -73,7 +73,7 @@ def torch_default_init(model: DualFlowForCausalLM) -> None:
         elif isinstance(module, DualFlowExperts):
             torch.nn.init.normal_(module.gate_up_proj, std=module.hidden_dim**-0.5)
             torch.nn.init.normal_(module.down_proj, std=module.intermediate_dim**-0.5)
-        elif isinstance(module, DualFlowTopKRouter):
+        elif isinstance(module, DualFlowRouter):
             bound = module.weight.shape[1] ** -0.5
             torch.nn.init.uniform_(module.weight, -bound, bound)
 
