@@ -15,6 +15,7 @@ from dualflow.instruments.experiment import (
     ARMS_BY_NAME,
     DEFAULT_ARMS,
     DEFAULT_SCALE,
+    QUICK_SCALE,
     Arm,
     arm_costs,
     depth_gain_share,
@@ -24,7 +25,7 @@ from dualflow.instruments.experiment import (
     paired_differences,
     select_arms,
 )
-from dualflow.instruments.tiny_lm import TinyScale, torch_default_init
+from dualflow.instruments.tiny_lm import TinyScale, mean_token_nll, mean_token_nlls, torch_default_init
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -183,3 +184,14 @@ def test_torch_default_init_follows_pytorch_layer_defaults():
     assert abs(experts.gate_up_proj.std().item() * config.hidden_size**0.5 - 1) < 0.05
     assert abs(experts.down_proj.std().item() * config.moe_intermediate_size**0.5 - 1) < 0.05
     assert (layer.aux_coupling.weight == 0).all() and (layer.input_layernorm.weight == 1).all()
+
+
+def test_one_pass_scores_prediction_and_primary_flow_like_two_passes():
+    torch.manual_seed(0)
+    model = DualFlowForCausalLM(ARMS_BY_NAME["dual kp2 ka4"].model_config(QUICK_SCALE)).eval()
+    torch_default_init(model)
+    blocks = torch.randint(0, 256, (5, 16))
+    both = mean_token_nlls(model, blocks, ("logits", "primary_logits"), batch_size=2, use_aux_flow=True)
+    assert both["logits"] == pytest.approx(mean_token_nll(model, blocks, 2, use_aux_flow=True), abs=1e-6)
+    assert both["primary_logits"] == pytest.approx(mean_token_nll(model, blocks, 2, use_aux_flow=False), abs=1e-6)
+    assert abs(both["logits"] - both["primary_logits"]) > 1e-3  # the two flows differ: the check above means something

@@ -25,7 +25,7 @@ from modeling_dualflow import DualFlowConfig
 
 from ..errors import DualFlowUserError
 from .data import check_data_files, read_byte_tokens, split_files, spread_blocks, stdlib_source_files
-from .tiny_lm import TinyScale, mean_token_nll, tiny_moe_config, train_language_model
+from .tiny_lm import TinyScale, mean_token_nll, mean_token_nlls, tiny_moe_config, train_language_model
 
 
 SCHEMA = "dualflow-experiment/2"
@@ -308,8 +308,11 @@ def train_and_score(arm: Arm, scale: TinyScale, seed: int, train_tokens=None, va
     # CPU seconds too: on a shared machine the wall clock also counts other processes' turns.
     run = {"seed": seed, "train_s": train_s, "train_cpu_s": cpu_s, "tokens_per_s": tokens / train_s}
     run["tokens_per_cpu_s"] = tokens / cpu_s
-    run["val_loss"] = mean_token_nll(model, val_blocks, batch_size=32, use_aux_flow=arm.dual)
-    run["primary_val_loss"] = mean_token_nll(model, val_blocks, batch_size=32, use_aux_flow=False) if arm.dual else None
+    if arm.dual:  # one pass scores both flows: the primary logits come with the prediction
+        losses = mean_token_nlls(model, val_blocks, ("logits", "primary_logits"), batch_size=32, use_aux_flow=True)
+        run["val_loss"], run["primary_val_loss"] = losses["logits"], losses["primary_logits"]
+    else:
+        run["val_loss"], run["primary_val_loss"] = mean_token_nll(model, val_blocks, 32, use_aux_flow=False), None
     run["train_curve"] = curve
     return run
 

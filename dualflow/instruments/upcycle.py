@@ -31,7 +31,7 @@ from .experiment import (
     mean_and_error,
     paired_differences,
 )
-from .tiny_lm import TinyScale, mean_token_nll, tiny_moe_config, train_language_model, train_model
+from .tiny_lm import TinyScale, mean_token_nll, mean_token_nlls, tiny_moe_config, train_language_model, train_model
 
 
 SCHEMA = "dualflow-upcycle/1"
@@ -114,10 +114,10 @@ def trainable_model(recipe: Recipe, folder: Path):
 
 
 def losses(model, val_blocks, dual: bool) -> dict:
-    return {
-        "aux_val_loss": mean_token_nll(model, val_blocks, batch_size=32, use_aux_flow=True) if dual else None,
-        "primary_val_loss": mean_token_nll(model, val_blocks, batch_size=32, use_aux_flow=False),
-    }
+    if not dual:
+        return {"aux_val_loss": None, "primary_val_loss": mean_token_nll(model, val_blocks, 32, use_aux_flow=False)}
+    both = mean_token_nlls(model, val_blocks, ("logits", "primary_logits"), batch_size=32, use_aux_flow=True)
+    return {"aux_val_loss": both["logits"], "primary_val_loss": both["primary_logits"]}
 
 
 def upcycle_seed(recipes, scale: TinyScale, continue_steps: int, seed: int, train_tokens, val_blocks) -> dict:
