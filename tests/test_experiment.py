@@ -125,7 +125,7 @@ def test_experiment_quick_path_writes_json_and_plots(tmp_path, capsys):
     assert report["schema"] == "dualflow-experiment/2" and report["quick"] is True and report["seeds"] == [0, 1]
     assert report["complete"] and report["data"]["val_tokens"] == report["data"]["val_blocks"] * 32
     names = [arm["name"] for arm in report["arms"]]
-    assert names == [name for name in DEFAULT_ARMS if name not in report["arms_left_out"]]
+    assert names == [name for name in ARMS_BY_NAME if name in DEFAULT_ARMS and name not in report["arms_left_out"]]
     baseline_losses = [run["val_loss"] for run in report["arms"][0]["runs"]]
     for arm in report["arms"]:
         assert arm["name"] in printed and [run["seed"] for run in arm["runs"]] == [0, 1]
@@ -195,3 +195,19 @@ def test_one_pass_scores_prediction_and_primary_flow_like_two_passes():
     assert both["logits"] == pytest.approx(mean_token_nll(model, blocks, 2, use_aux_flow=True), abs=1e-6)
     assert both["primary_logits"] == pytest.approx(mean_token_nll(model, blocks, 2, use_aux_flow=False), abs=1e-6)
     assert abs(both["logits"] - both["primary_logits"]) > 1e-3  # the two flows differ: the check above means something
+
+
+def test_resume_keeps_earlier_runs_and_trains_only_missing_ones(tmp_path):
+    out, data = tmp_path / "exp", ["--data"] + [str(path) for path in SMALL_TEXT_FILES]
+    quick = ["experiment", "--quick", "--steps", "2", "--jobs", "1", "--out", str(out)]
+    assert main(quick + ["--arms", "single k4", "--seeds", "1"] + data) == 0
+    first = json.loads((out / "experiment.json").read_text())
+    assert main(quick + ["--arms", "dual kp2 ka4", "--seeds", "2", "--resume"] + data) == 0
+    report = json.loads((out / "experiment.json").read_text())
+    arms = {arm["name"]: arm for arm in report["arms"]}
+    assert list(arms) == ["single k2", "single k4", "dual kp2 ka4"] and report["seeds"] == [0, 1]
+    assert arms["single k4"]["runs"] == first["arms"][1]["runs"]  # kept as it was, not retrained
+    assert [run["seed"] for run in arms["single k2"]["runs"]] == [0, 1] and len(arms["dual kp2 ka4"]["runs"]) == 2
+    assert arms["single k2"]["runs"][0] == first["arms"][0]["runs"][0]
+    assert len(report["commands"]) == 2 and report["commands"][1].startswith("dualflow experiment --quick --resume")
+    assert main(quick[:3] + ["3"] + quick[4:] + ["--resume"] + data) == 2  # other --steps: refused

@@ -317,20 +317,22 @@ def train_and_score(arm: Arm, scale: TinyScale, seed: int, train_tokens=None, va
     return run
 
 
-def run_arms(arms, scale, seeds, train_tokens, val_blocks, jobs=1, threads=1, on_run=None, show_progress=True):
+def run_arms(arms, scale, seeds, train_tokens, val_blocks, jobs=1, threads=1, done=None, on_run=None):
     """
-    Train every arm for every seed, `jobs` runs at a time in their own processes (`threads` torch threads each), in
-    seed-major order, so an interrupted run still covers every arm. `on_run(arm, run)` sees each finished run.
-    Returns {arm name: [runs]}.
+    Train every arm for every seed it has no run for in `done` ({arm name: runs}), `jobs` runs at a time in their own
+    processes (`threads` torch threads each), in seed-major order, so an interrupted run still covers every arm.
+    `on_run(results)` sees the results after each finished run. Returns {arm name: runs}, `done` included.
     """
-    tasks = [(arm, seed) for seed in seeds for arm in arms]
-    results = {arm.name: [] for arm in arms}
-    with tqdm(total=len(tasks), desc="runs", disable=not show_progress) as bar:
+    results = {name: list(runs) for name, runs in (done or {}).items()}
+    for arm in arms:
+        results.setdefault(arm.name, [])
+    tasks = [(arm, seed) for seed in seeds for arm in arms if seed not in {run["seed"] for run in results[arm.name]}]
+    with tqdm(total=len(tasks), desc="runs") as bar:
 
         def finished(arm, run):
             results[arm.name].append(run)
             if on_run is not None:
-                on_run(arm, run)
+                on_run(results)
             bar.set_postfix_str(f"{arm.name} seed {run['seed']}: val {run['val_loss']:.4f}")
             bar.update()
 
@@ -347,6 +349,15 @@ def run_arms(arms, scale, seeds, train_tokens, val_blocks, jobs=1, threads=1, on
     return results
 
 
+def previous_runs(path: Path, scale: TinyScale, data: dict) -> tuple[dict, dict]:
+    """(runs by arm name, the report) of an earlier report at `path` made with the same scale and data, for --resume."""
+    previous = json.loads(path.read_text())
+    same_data = all(previous["data"][key] == data[key] for key in ("source", "files", "val_tokens"))
+    if previous.get("schema") != SCHEMA or previous["scale"] != asdict(scale) or not same_data:
+        raise DualFlowUserError(f"--resume: {path} was made with another scale, data or schema; use another --out")
+    return {arm["name"]: arm["runs"] for arm in previous["arms"]}, previous
+
+
 def summarize(arms, scale: TinyScale, results: dict) -> list[dict]:
     """Per arm: costs, val loss over seeds, the paired difference to the baseline (the first arm) with its SE."""
     summary = []
@@ -360,8 +371,9 @@ def summarize(arms, scale: TinyScale, results: dict) -> list[dict]:
         entry |= {"training": dict(arm.training), **arm_costs(arm, scale)}
         entry["val_loss"] = mean_and_error([run["val_loss"] for run in runs])
         entry["primary_val_loss"] = mean_and_error([run["primary_val_loss"] for run in runs]) if arm.dual else None
-        for key in ("tokens_per_s", "tokens_per_cpu_s"):
-            entry[key] = statistics.median(run[key] for run in runs)
+        for key in ("tokens_per_s", "tokens_per_cpu_s"):  # runs resumed from an older report may lack CPU seconds
+            values = [run[key] for run in runs if key in run]
+            entry[key] = statistics.median(values) if values else None
         for key in ("val_loss", "primary_val_loss") if arm.dual else ("val_loss",):
             deltas = list(paired_differences(runs, baseline_runs, key).values())
             entry[f"{key}_delta"] = {"vs": arms[0].name, **mean_and_error(deltas)} if deltas else None
@@ -410,7 +422,8 @@ def format_table(arms: list[dict]) -> str:
                 format_error(arm["val_loss_delta"]),
                 format_error(arm.get("primary_val_loss_delta")),
                 f"{share['share']:.0%} ({share['verdict']} 60%)" if share else "-",
-                f"{arm['tokens_per_s']:.0f} / {arm['tokens_per_cpu_s']:.0f}",
+                f"{arm['tokens_per_s']:.0f} / "
+                + (f"{arm['tokens_per_cpu_s']:.0f}" if arm["tokens_per_cpu_s"] else "-"),
                 str(arm["prefill_experts_per_token"]),
                 str(arm["decode_experts_per_token"]),
             ]
@@ -499,7 +512,7 @@ def plot_frontier(report: dict, path) -> None:
 
 
 def command_line(args) -> str:
-    parts = ["dualflow", "experiment"] + (["--quick"] if args.quick else [])
+    parts = ["dualflow", "experiment"] + (["--quick"] if args.quick else []) + (["--resume"] if args.resume else [])
     if args.regime != "scratch":
         parts += ["--regime", args.regime]
     for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--jobs", args.jobs)):
@@ -563,6 +576,11 @@ def register(subparsers) -> None:
         help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default). Arms: {', '.join(repr(n) for n in ARMS_BY_NAME)}",
     )
     parser.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs of --out/experiment.json (same scale and data) and train only the missing arm/seed runs",
+    )
     parser.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: CPU count)")
     parser.add_argument(
         "--threads",
@@ -596,12 +614,16 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     train_tokens, val_blocks, data = load_corpus(args.data, scale)
+    done, previous = previous_runs(out / "experiment.json", scale, data) if args.resume else ({}, {})
+    # The report covers every arm with runs (this invocation's and earlier ones'), in the order of ARMS.
+    names = {arm.name for arm in arms} | {name for name, runs in done.items() if runs and name in ARMS_BY_NAME}
+    report_arms = [arm for arm in ARMS if arm.name in names]
     report = {
         "schema": SCHEMA,
         "command": command_line(args),
+        "commands": previous.get("commands", []) + [command_line(args)],
         "quick": args.quick,
         "scale": asdict(scale),
-        "seeds": list(range(num_seeds)),
         "data": data,
         "machine": {
             "platform": platform.platform(),
@@ -615,23 +637,22 @@ def run(args) -> int:
         "flops_formula": FLOPS_FORMULA,
         "arms_left_out": skipped,
     }
-    started = time.perf_counter()
+    started, earlier_wall_s = time.perf_counter(), previous.get("wall_s_total", 0.0)
 
     def save(results, complete=False):
         report["complete"] = complete
-        report["wall_s_total"] = time.perf_counter() - started
-        report["arms"] = summarize(arms, scale, results)
+        report["wall_s_total"] = earlier_wall_s + time.perf_counter() - started
+        report["seeds"] = sorted({run["seed"] for runs in results.values() for run in runs})
+        report["arms"] = summarize(report_arms, scale, results)
         report["table"] = format_table(report["arms"])
         (out / "experiment.json").write_text(json.dumps(report, indent=1))
 
-    partial = {arm.name: [] for arm in arms}
+    def on_run(results):  # a partial report after every run: a long run that is cut short keeps its results
+        if results[BASELINE.name]:
+            save(results)
 
-    def on_run(arm, run):  # a partial report after every run: a long run that is cut short keeps its results
-        partial[arm.name].append(run)
-        if partial[arms[0].name]:
-            save(partial)
-
-    results = run_arms(arms, scale, list(range(num_seeds)), train_tokens, val_blocks, jobs, args.threads, on_run)
+    seeds = list(range(num_seeds))
+    results = run_arms(arms, scale, seeds, train_tokens, val_blocks, jobs, args.threads, done, on_run)
     save(results, complete=True)
     plot_loss_curves(report, out / "loss_curves.png")
     plot_frontier(report, out / "frontier.png")
