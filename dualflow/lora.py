@@ -12,7 +12,8 @@ ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
 # Routed experts are stored fused as parameters, which `target_modules` cannot reach.
 FUSED_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-AUX_MODULES = ["aux_embed_tokens", "aux_coupling"]
+# The aux flow's own modules; those a config does not build (round gates) match nothing and are skipped by PEFT.
+AUX_MODULES = ["aux_embed_tokens", "aux_coupling", "aux_round_gate"]
 
 
 def dualflow_lora_config(config, r: int = 16, lora_alpha: int = 32) -> LoraConfig:

@@ -29,6 +29,10 @@ class DualFlowConfig(PreTrainedConfig):
             `num_experts_per_tok` (k_p).
         primary_loss_weight (`float`): training loss = CE(aux) + primary_loss_weight * CE(primary).
         use_aux_flow (`bool`): default for the `use_aux_flow` forward/generate argument.
+        aux_num_rounds (`int`): passes of the aux flow through the layers (R). Rounds after the first run the aux rows
+            alone against the primary K/V of the first round and write nothing; each layer gates their residual
+            updates with a zero-initialised `aux_round_gate`, so a converted model still computes as its source. 1 (the
+            default) is the paper's form and builds no gates.
     """
 
     model_type = "dualflow"
@@ -107,6 +111,7 @@ class DualFlowConfig(PreTrainedConfig):
     aux_num_experts_per_tok: int | None = None
     primary_loss_weight: float = 1.0
     use_aux_flow: bool = True
+    aux_num_rounds: int = 1
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -179,6 +184,8 @@ class DualFlowConfig(PreTrainedConfig):
             raise ValueError(f"qk_norm must be one of {QK_NORM_KINDS}, got {self.qk_norm!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+        if self.aux_num_rounds < 1:
+            raise ValueError(f"aux_num_rounds must be >= 1, got {self.aux_num_rounds}")
         if self.primary_loss_weight < 0:
             raise ValueError(f"primary_loss_weight must be >= 0, got {self.primary_loss_weight}")
         if self.num_experts < 0:

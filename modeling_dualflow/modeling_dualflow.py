@@ -31,7 +31,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, _active_collector, capture_outputs
 
 from .cache_dualflow import DualFlowCache
 from .configuration_dualflow import DualFlowConfig
@@ -117,21 +117,25 @@ class DualFlowAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         is_causal: bool | None = None,
         past_key_values: Cache | None = None,
+        primary_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # hidden_states: (batch, T + P, hidden), already normed
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+        # hidden_states: (batch, T + P, hidden), already normed. Given `primary_key_values` (an extra aux round), the rows
+        # are aux rows only (num_primary = 0) and attend to those keys/values: nothing is projected or cached.
         q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
-        primary = hidden_states[:, :num_primary]
         query_states = self._project(hidden_states, self.q_proj, q_norm)
-        key_states = self._project(primary, self.k_proj, k_norm)
-        value_states = self._project(primary, self.v_proj, None)
-
         cos, sin = position_embeddings
         query_states = apply_rotary(query_states, cos, sin)
-        key_states = apply_rotary(key_states, cos[:, :num_primary], sin[:, :num_primary])
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if primary_key_values is None:
+            primary = hidden_states[:, :num_primary]
+            key_states = self._project(primary, self.k_proj, k_norm)
+            value_states = self._project(primary, self.v_proj, None)
+            key_states = apply_rotary(key_states, cos[:, :num_primary], sin[:, :num_primary])
+            if past_key_values is not None:
+                key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        else:
+            key_states, value_states = primary_key_values
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -149,7 +153,7 @@ class DualFlowAttention(nn.Module):
             **kwargs,
         )
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return self.o_proj(attn_output), attn_weights, (key_states, value_states)
 
 
 class DualFlowMLP(Qwen2MoeMLP):
@@ -257,6 +261,20 @@ class DualFlowCoupling(nn.Module):
         return self.weight * primary_states
 
 
+class DualFlowRoundGate(nn.Module):
+    """
+    Per-channel gain on a layer's residual update in the aux rounds after the first (`aux_num_rounds` > 1). Zero at
+    initialisation, so extra rounds start as the identity and a converted model keeps computing as its source.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, update: torch.Tensor) -> torch.Tensor:
+        return self.weight * update
+
+
 class DualFlowDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DualFlowConfig, layer_idx: int):
         super().__init__()
@@ -268,10 +286,16 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.aux_coupling = DualFlowCoupling(config.hidden_size)
+        if config.aux_num_rounds > 1:
+            self.aux_round_gate = DualFlowRoundGate(config.hidden_size)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
+        primary_entering: torch.Tensor | None = None,
+        primary_keys: torch.Tensor | None = None,
+        primary_values: torch.Tensor | None = None,
+        *,
         num_primary: int,
         aux_positions: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
@@ -280,21 +304,29 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         aux_top_k: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> torch.Tensor:
-        # hidden_states: (batch, T + P, hidden) = [primary rows; aux rows]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """
+        First round: hidden_states = (batch, T + P, hidden) = [primary rows; aux rows]. An extra aux round passes the P
+        aux rows alone, with `primary_entering` (the primary state that entered this layer at the aux positions) and
+        this layer's primary keys/values from the first round (positional, so reentrant checkpointing sees them).
+        Returns the layer output and the primary keys/values its attention used.
+        """
+        extra_round = primary_keys is not None
+        layer_input = hidden_states
         if aux_positions is not None:
             aux_rows = torch.arange(num_primary, hidden_states.shape[1], device=hidden_states.device)
-            coupled = self.aux_coupling(hidden_states[:, aux_positions])
-            hidden_states = hidden_states.index_add(1, aux_rows, coupled)
+            coupling_source = primary_entering if extra_round else hidden_states[:, aux_positions]
+            hidden_states = hidden_states.index_add(1, aux_rows, self.aux_coupling(coupling_source))
 
         residual = hidden_states
-        hidden_states, _ = self.self_attn(
+        hidden_states, _, key_values = self.self_attn(
             self.input_layernorm(hidden_states),
             num_primary=num_primary,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             is_causal=is_causal,
             past_key_values=past_key_values,
+            primary_key_values=(primary_keys, primary_values) if extra_round else None,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -305,7 +337,10 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.mlp(hidden_states, num_primary, aux_top_k)
         else:
             hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        hidden_states = residual + hidden_states
+        if extra_round:
+            hidden_states = layer_input + self.aux_round_gate(hidden_states - layer_input)
+        return hidden_states, *key_values
 
 
 @dataclass
@@ -395,7 +430,7 @@ class DualFlowPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, DualFlowRouter):
             init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, DualFlowCoupling):
+        elif isinstance(module, (DualFlowCoupling, DualFlowRoundGate)):
             init.zeros_(module.weight)
 
 
@@ -465,6 +500,48 @@ class DualFlowModel(DualFlowPreTrainedModel):
         mask = torch.arange(kv_length, device=device)[None, :] <= query_pos[:, None]
         return mask[None, None], None
 
+    def _extra_aux_rounds(
+        self,
+        aux_states,
+        first_round,
+        num_extra,
+        aux_positions,
+        grouped_mask,
+        position_embeddings,
+        num_primary,
+        aux_top_k,
+        **kwargs,
+    ):
+        """
+        Aux rounds 2..R: the aux rows alone go through every layer again, coupled to the same primary states and
+        attending to the same primary keys/values (with the same mask rows) as in the first round; nothing is cached.
+        """
+        # An absent mask means every aux row sees every key (decode, or only the last prompt position).
+        aux_mask = grouped_mask[:, :, num_primary:] if grouped_mask is not None else None
+        cos, sin = position_embeddings
+        aux_embeddings = (cos[:, num_primary:], sin[:, num_primary:])
+        # Per-layer outputs (hidden_states, attentions, router_logits) describe the first round: pause their recording.
+        recording = _active_collector.set(None)
+        try:
+            for _ in range(num_extra):
+                for decoder_layer, (entering, keys, values) in zip(self.layers, first_round):
+                    aux_states, _, _ = decoder_layer(
+                        aux_states,
+                        entering,
+                        keys,
+                        values,
+                        num_primary=0,
+                        aux_positions=aux_positions,
+                        attention_mask=aux_mask,
+                        position_embeddings=aux_embeddings,
+                        is_causal=False if aux_mask is None else None,
+                        aux_top_k=aux_top_k,
+                        **kwargs,
+                    )
+        finally:
+            _active_collector.reset(recording)
+        return aux_states
+
     @can_return_tuple
     def forward(
         self,
@@ -477,6 +554,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         aux_positions: torch.LongTensor | None = None,
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
+        aux_num_rounds: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowModelOutputWithPast:
         r"""
@@ -487,6 +565,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
             the aux embedding of its id, else (no ids: `inputs_embeds` only) from its `inputs_embeds` row.
         aux_num_experts_per_tok (`int`, *optional*):
             Expert top-k of the aux flow for this call; defaults to `config.aux_num_experts_per_tok`.
+        aux_num_rounds (`int`, *optional*):
+            Passes of the aux flow through the layers for this call; defaults to `config.aux_num_rounds`.
         """
         stacked = self._stacked_forward(
             input_ids=input_ids,
@@ -498,6 +578,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_positions=aux_positions,
             aux_inputs_embeds=aux_inputs_embeds,
             aux_num_experts_per_tok=aux_num_experts_per_tok,
+            aux_num_rounds=aux_num_rounds,
             return_dict=True,
             **kwargs,
         )
@@ -546,6 +627,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         aux_positions: torch.LongTensor | None = None,
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
+        aux_num_rounds: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
         """The layers over the stacked rows `[primary (T); aux (P)]`; every recorded output covers both flows."""
@@ -557,6 +639,14 @@ class DualFlowModel(DualFlowPreTrainedModel):
         if self.config.num_experts and not 1 <= aux_top_k <= self.config.num_experts:
             raise ValueError(
                 f"aux_num_experts_per_tok must be in [1, num_experts={self.config.num_experts}], got {aux_top_k}"
+            )
+        num_rounds = self.config.aux_num_rounds if aux_num_rounds is None else aux_num_rounds
+        if num_rounds < 1:
+            raise ValueError(f"aux_num_rounds must be >= 1, got {num_rounds}")
+        if num_rounds > 1 and self.config.aux_num_rounds == 1:
+            raise ValueError(
+                "aux_num_rounds > 1 needs a model built with aux_num_rounds > 1 (it holds the round gates); "
+                "convert with --aux-rounds"
             )
 
         if use_cache and past_key_values is None:
@@ -594,8 +684,11 @@ class DualFlowModel(DualFlowPreTrainedModel):
         )
         position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
 
+        extra_rounds = num_rounds - 1 if aux_positions is not None else 0
+        first_round = []  # per layer, for the extra rounds: (primary state entering at aux positions, keys, values)
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = decoder_layer(
+            entering = hidden_states[:, aux_positions] if extra_rounds else None
+            hidden_states, keys, values = decoder_layer(
                 hidden_states,
                 num_primary=num_primary,
                 aux_positions=aux_positions,
@@ -606,6 +699,21 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 aux_top_k=aux_top_k,
                 **kwargs,
             )
+            if extra_rounds:
+                first_round.append((entering, keys, values))
+        if extra_rounds:
+            aux_states = self._extra_aux_rounds(
+                hidden_states[:, num_primary:],
+                first_round,
+                extra_rounds,
+                aux_positions,
+                grouped_mask,
+                position_embeddings,
+                num_primary,
+                aux_top_k,
+                **kwargs,
+            )
+            hidden_states = torch.cat([hidden_states[:, :num_primary], aux_states], dim=1)
 
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
@@ -646,13 +754,18 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def aux_parameter_names(self) -> list[str]:
-        """Parameters that belong to the aux flow alone: its token embedding and the per-layer couplings."""
-        return [name for name, _ in self.named_parameters() if "aux_embed_tokens" in name or "aux_coupling" in name]
+        """
+        Parameters that belong to the aux flow alone (every module named `aux_*`): its token embedding, the per-layer
+        couplings and, where the config has them, the round gates.
+        """
+        return [
+            name for name, _ in self.named_parameters() if any(part.startswith("aux_") for part in name.split("."))
+        ]
 
     def freeze_for_aux_training(self) -> "DualFlowForCausalLM":
         """
-        Cheap upcycling recipe: train only the aux flow's own parameters (aux embedding, couplings). Every shared
-        weight stays frozen, so the primary flow, its logits and its cache stay bit-identical to the source model.
+        Cheap upcycling recipe: train only the aux flow's own parameters (`aux_parameter_names`). Every shared weight
+        stays frozen, so the primary flow, its logits and its cache stay bit-identical to the source model.
         """
         aux_names = set(self.aux_parameter_names())
         for name, parameter in self.named_parameters():
@@ -661,10 +774,15 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def init_aux_from_primary(self):
-        """Upcycling init: aux embedding = primary embedding, coupling = 0 (with k_a == k_p: aux == primary)."""
+        """
+        Upcycling init: aux embedding = primary embedding, coupling = 0, round gates = 0 (with k_a == k_p: aux ==
+        primary).
+        """
         self.model.aux_embed_tokens.weight.copy_(self.model.embed_tokens.weight)
         for layer in self.model.layers:
             layer.aux_coupling.weight.zero_()
+            if hasattr(layer, "aux_round_gate"):
+                layer.aux_round_gate.weight.zero_()
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
@@ -711,6 +829,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         use_aux_flow: bool | None = None,
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
+        aux_num_rounds: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowCausalLMOutputWithPast:
         r"""
@@ -722,6 +841,9 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             the aux embedding of its id, else (no ids: `inputs_embeds` only) from its `inputs_embeds` row.
         aux_num_experts_per_tok (`int`, *optional*):
             Aux-flow expert top-k for this call (trade decode cost for quality without reconverting); MoE models only.
+        aux_num_rounds (`int`, *optional*):
+            Passes of the aux flow through the layers for this call; defaults to `config.aux_num_rounds`. Values
+            above 1 need a model built with `aux_num_rounds` > 1 (it holds the round gates).
         """
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
@@ -744,6 +866,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             aux_positions=keep_positions if use_aux_flow else None,
             aux_inputs_embeds=aux_inputs_embeds,
             aux_num_experts_per_tok=aux_num_experts_per_tok,
+            aux_num_rounds=aux_num_rounds,
             **kwargs,
         )
 

@@ -35,7 +35,10 @@ def tiny_config(**overrides) -> DualFlowConfig:
 
 
 def tiny_model(seed: int = 0, random_coupling: bool = True, attn_implementation: str = "sdpa", **overrides):
-    """Random tiny model in eval mode; non-zero couplings so the aux flow differs from the primary one."""
+    """
+    Random tiny model in eval mode; non-zero couplings (and round gates, where the config has them) so the aux flow
+    differs from the primary one.
+    """
     torch.manual_seed(seed)
     model = DualFlowForCausalLM(tiny_config(**overrides)).eval()
     model.set_attn_implementation(attn_implementation)
@@ -43,6 +46,8 @@ def tiny_model(seed: int = 0, random_coupling: bool = True, attn_implementation:
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.aux_coupling.weight.normal_(std=0.5)
+                if hasattr(layer, "aux_round_gate"):
+                    layer.aux_round_gate.weight.normal_(mean=0.5, std=0.5)
     return model
 
 

@@ -31,23 +31,35 @@ def _moe_row(block, x, top_k):
 
 @torch.no_grad()
 def aux_pass(
-    model, input_ids, entering_states, cache, aux_positions, position_ids, attention_mask=None, aux_top_k=None
+    model,
+    input_ids,
+    entering_states,
+    cache,
+    aux_positions,
+    position_ids,
+    attention_mask=None,
+    aux_top_k=None,
+    num_rounds=None,
 ):
     """
     Run the aux flow after the primary pass. `entering_states[l]`: (batch, T, hidden) primary state entering layer l;
     `cache` holds the primary K/V including the T new tokens (every key the aux rows may attend to: use a plain
     `DynamicCache()`, not a sliding-window one that drops keys within the chunk); `position_ids`: (batch, T);
-    `attention_mask`: (batch, past + T) or None. Returns aux logits (batch, P, vocab).
+    `attention_mask`: (batch, past + T) or None. Each of the `num_rounds` rounds walks every layer; in rounds after the
+    first, a layer's whole update is scaled by its round gate. Returns aux logits (batch, P, vocab).
     """
     config = model.config
     aux_top_k = aux_top_k or config.aux_num_experts_per_tok
+    num_rounds = num_rounds or config.aux_num_rounds
     body = model.model
     batch, num_new = input_ids.shape
     past = cache.get_seq_length() - num_new
     aux_states = body.aux_embed_tokens(input_ids[:, aux_positions])
     positions = position_ids[:, aux_positions].expand(batch, -1)
     cos, sin = body.rotary_emb(aux_states, positions)
-    for layer_idx, layer in enumerate(body.layers):
+
+    def apply_layer(layer_idx, layer, aux_states):
+        # coupling, attention of the aux rows to the primary K/V, MLP / MoE
         attn = layer.self_attn
         aux_states = aux_states + layer.aux_coupling.weight * entering_states[layer_idx][:, aux_positions]
         normed = layer.input_layernorm(aux_states)
@@ -74,13 +86,21 @@ def aux_pass(
             mlp_out = torch.stack([torch.stack([_moe_row(layer.mlp, x, aux_top_k) for x in row]) for row in normed])
         else:
             mlp_out = layer.mlp(normed)
-        aux_states = aux_states + mlp_out
+        return aux_states + mlp_out
+
+    for round_idx in range(num_rounds):
+        for layer_idx, layer in enumerate(body.layers):
+            layer_output = apply_layer(layer_idx, layer, aux_states)
+            if round_idx == 0:
+                aux_states = layer_output
+            else:  # rounds after the first: the layer's whole update, scaled by its round gate
+                aux_states = aux_states + layer.aux_round_gate.weight * (layer_output - aux_states)
     return model.lm_head(body.norm(aux_states))
 
 
 @torch.no_grad()
 def two_pass_forward(
-    model, input_ids, cache, attention_mask=None, position_ids=None, aux_positions=None, aux_top_k=None
+    model, input_ids, cache, attention_mask=None, position_ids=None, aux_positions=None, aux_top_k=None, num_rounds=None
 ):
     """Primary pass (fills `cache`), then the aux pass. Returns (primary_logits (B,T,V), aux_logits (B,P,V))."""
     num_new = input_ids.shape[1]
@@ -99,6 +119,14 @@ def two_pass_forward(
         output_hidden_states=True,
     )
     aux_logits = aux_pass(
-        model, input_ids, primary.hidden_states, cache, aux_positions, position_ids, attention_mask, aux_top_k
+        model,
+        input_ids,
+        primary.hidden_states,
+        cache,
+        aux_positions,
+        position_ids,
+        attention_mask,
+        aux_top_k,
+        num_rounds,
     )
     return primary.logits, aux_logits

@@ -1,0 +1,269 @@
+"""`aux_num_rounds` (issue 13): the aux flow passes R times through the shared layers; DESIGN §7 invariants for R > 1."""
+
+import pytest
+import torch
+from conftest import tiny_config, tiny_model
+from peft import PeftModel
+from test_convert import assert_parity, make_source, run_cli, save_source
+from test_modeling import VARIANTS, left_padded_batch, valid_rows
+from test_training import byte_model, stdlib_blocks
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from dualflow.finetune import make_trainer
+from dualflow.instruments.reference import two_pass_forward
+from dualflow.lora import add_lora
+from modeling_dualflow import DualFlowCache, DualFlowForCausalLM
+
+
+ROUND_VARIANTS = ["moe_ka_gt_kp", "dense", "sliding_window", "olmoe_full_qk_norm_clip"]
+
+
+def rounds_model(num_rounds=3, **overrides):
+    """Tiny model built for up to `num_rounds` rounds, with random couplings and round gates."""
+    return tiny_model(aux_num_rounds=num_rounds, **{**VARIANTS.get(overrides.pop("variant", "moe"), {}), **overrides})
+
+
+class TestConfigAndArguments:
+    def test_default_is_one_round_without_gates(self):
+        model = tiny_model()
+        assert model.config.aux_num_rounds == 1
+        assert not [name for name, _ in model.named_parameters() if "aux_round_gate" in name]
+        gated = rounds_model(2)
+        gates = {name for name, _ in gated.named_parameters() if "aux_round_gate" in name}
+        assert gates == {f"model.layers.{i}.aux_round_gate.weight" for i in range(2)}
+
+    def test_bad_values_give_clear_errors(self):
+        with pytest.raises(ValueError, match="aux_num_rounds must be >= 1, got 0"):
+            tiny_config(aux_num_rounds=0)
+        input_ids = torch.tensor([[1, 2, 3]])
+        with pytest.raises(ValueError, match="aux_num_rounds must be >= 1"):
+            rounds_model(2)(input_ids, aux_num_rounds=0)
+        with pytest.raises(ValueError, match="needs a model built with aux_num_rounds > 1"):
+            tiny_model()(input_ids, aux_num_rounds=2)
+
+    def test_config_round_trip(self, tmp_path):
+        tiny_config(aux_num_rounds=3).save_pretrained(tmp_path)
+        assert AutoConfig.from_pretrained(tmp_path).aux_num_rounds == 3
+
+
+class TestOneRoundIsToday:
+    """R = 1 computes exactly what the model computed before rounds existed."""
+
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
+    def test_one_round_is_bit_identical_to_a_model_without_gates(self, variant):
+        plain = tiny_model(**VARIANTS[variant])
+        gated = DualFlowForCausalLM(tiny_config(aux_num_rounds=3, **VARIANTS[variant])).eval()
+        missing, unexpected = gated.load_state_dict(plain.state_dict(), strict=False)
+        assert unexpected == [] and all("aux_round_gate" in name for name in missing)
+        input_ids, attention_mask = left_padded_batch([6, 4])
+        expected = plain(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        actual = gated(input_ids, attention_mask=attention_mask, aux_num_rounds=1, output_hidden_states=True)
+        assert torch.equal(actual.logits, expected.logits)
+        assert torch.equal(actual.primary_logits, expected.primary_logits)
+        assert all(torch.equal(a, b) for a, b in zip(actual.aux_hidden_states, expected.aux_hidden_states))
+        generate = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=attention_mask)
+        assert torch.equal(
+            gated.generate(input_ids, aux_num_rounds=1, **generate), plain.generate(input_ids, **generate)
+        )
+
+    def test_zero_gates_make_extra_rounds_the_identity(self):
+        # the upcycling guarantee: a converted model (gates 0) predicts as its source for any R
+        model = rounds_model(3)
+        model.init_aux_from_primary()
+        input_ids = torch.randint(0, 97, (2, 7))
+        out = model(input_ids)
+        torch.testing.assert_close(out.logits, out.primary_logits, atol=1e-5, rtol=0)
+        assert torch.equal(out.logits, model(input_ids, aux_num_rounds=1).logits)
+
+
+class TestGroupedEqualsReference:
+    @pytest.mark.parametrize("num_rounds", [2, 3])
+    @pytest.mark.parametrize("variant", ROUND_VARIANTS)
+    @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+    def test_all_positions_left_padded(self, variant, num_rounds, attn):
+        model = rounds_model(num_rounds, variant=variant, attn_implementation=attn)
+        input_ids, attention_mask = left_padded_batch([7, 4])
+        out = model(input_ids, attention_mask=attention_mask)
+        primary, aux = two_pass_forward(model, input_ids, DynamicCache(), attention_mask=attention_mask)
+        rows = valid_rows(attention_mask)
+        torch.testing.assert_close(out.primary_logits[rows], primary[rows], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.logits[rows], aux[rows], atol=1e-5, rtol=0)
+        fewer = model(input_ids, attention_mask=attention_mask, aux_num_rounds=num_rounds - 1).logits
+        assert (out.logits[rows] - fewer[rows]).abs().max() > 1e-3  # the extra round does something
+
+    @pytest.mark.parametrize("logits_to_keep", [1, torch.tensor([0, 2, 5])])
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
+    def test_selected_positions_and_per_call_rounds(self, variant, logits_to_keep):
+        model = rounds_model(2, variant=variant)
+        input_ids = torch.randint(0, 97, (2, 6))
+        positions = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else torch.tensor([5])
+        for num_rounds in (1, 2, 4):  # a per-call R may exceed the config's: every extra round uses the same gates
+            out = model(input_ids, logits_to_keep=logits_to_keep, aux_num_rounds=num_rounds)
+            _, aux = two_pass_forward(model, input_ids, DynamicCache(), aux_positions=positions, num_rounds=num_rounds)
+            torch.testing.assert_close(out.logits, aux, atol=1e-5, rtol=0)
+
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
+    def test_chunked_prefill_and_decode_with_cache(self, variant):
+        # the extra rounds read the keys the first round attended to, also those a sliding-window cache drops
+        model = rounds_model(2, variant=variant)
+        input_ids, attention_mask = left_padded_batch([8, 5])
+        cache, reference_cache = DualFlowCache(config=model.config), DynamicCache()
+        for chunk in (slice(0, 3), slice(3, 7), slice(7, 8)):
+            out = model(
+                input_ids[:, chunk],
+                attention_mask=attention_mask[:, : chunk.stop],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            _, aux = two_pass_forward(
+                model,
+                input_ids[:, chunk],
+                reference_cache,
+                attention_mask=attention_mask[:, : chunk.stop],
+                position_ids=torch.arange(chunk.start, chunk.stop).unsqueeze(0),
+            )
+            rows = valid_rows(attention_mask[:, chunk])
+            torch.testing.assert_close(out.logits[rows], aux[rows], atol=1e-5, rtol=0)
+
+
+class TestPrimaryIsolation:
+    @pytest.mark.parametrize("logits_to_keep", [0, 1])
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window"])
+    def test_rounds_and_gates_do_not_touch_primary(self, variant, logits_to_keep):
+        model = rounds_model(2, variant=variant)
+        input_ids, attention_mask = left_padded_batch([6, 4])
+
+        def run(**kwargs):
+            cache = DualFlowCache(config=model.config)
+            out = model(
+                input_ids,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                logits_to_keep=logits_to_keep,
+                output_hidden_states=True,
+                **kwargs,
+            )
+            return out.primary_logits, out.hidden_states, [layer.keys for layer in cache.layers]
+
+        baseline = run(use_aux_flow=False)
+        runs = [run(aux_num_rounds=r) for r in (1, 2, 3)]
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.aux_round_gate.weight.normal_(std=5.0)
+        runs.append(run(aux_num_rounds=3))
+        rows = valid_rows(attention_mask)
+        logit_rows = rows if logits_to_keep == 0 else rows[:, -1:]
+        for logits, hidden_states, keys in runs:
+            torch.testing.assert_close(logits[logit_rows], baseline[0][logit_rows], atol=1e-5, rtol=0)
+            for state, expected in zip(hidden_states, baseline[1]):
+                torch.testing.assert_close(state[rows], expected[rows], atol=1e-5, rtol=0)
+            for tensor, expected in zip(keys, baseline[2]):
+                torch.testing.assert_close(tensor, expected, atol=1e-5, rtol=0)
+
+
+class TestCachedEqualsUncached:
+    @pytest.mark.parametrize("num_rounds", [2, 3])
+    @pytest.mark.parametrize("variant", ROUND_VARIANTS)
+    @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+    def test_generate_scores_match_full_forward(self, variant, num_rounds, attn):
+        model = rounds_model(num_rounds, variant=variant, attn_implementation=attn)
+        input_ids, attention_mask = left_padded_batch([5, 3])
+        generated = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        full_mask = torch.cat([attention_mask, torch.ones(2, 6, dtype=torch.long)], dim=1)
+        full = model(generated.sequences, attention_mask=full_mask)
+        torch.testing.assert_close(torch.stack(generated.logits, dim=1), full.logits[:, 4:-1], atol=1e-5, rtol=0)
+
+    def test_per_call_rounds_reach_every_generate_step(self):
+        model = rounds_model(3)
+        prompt = torch.randint(0, 97, (1, 5))
+        kwargs = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(prompt, aux_num_rounds=2, **kwargs)
+        full = model(out.sequences, aux_num_rounds=2).logits[:, 4:-1]
+        torch.testing.assert_close(torch.stack(out.logits, dim=1), full, atol=1e-5, rtol=0)
+
+
+def test_kv_bytes_do_not_depend_on_rounds():
+    model = rounds_model(3)
+    input_ids = torch.randint(0, 97, (2, 9))
+    sizes = {r: model(input_ids, use_cache=True, aux_num_rounds=r).past_key_values.nbytes() for r in (1, 2, 3)}
+    config = model.config
+    expected = 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * 9 * config.head_dim * 4
+    assert set(sizes.values()) == {expected}
+
+
+def test_outputs_describe_the_first_round_and_the_head_reads_the_last():
+    model = rounds_model(2, attn_implementation="eager")
+    input_ids = torch.randint(0, 97, (2, 6))
+    out = model(input_ids, logits_to_keep=2, output_hidden_states=True, output_attentions=True)
+    one_round = model(input_ids, logits_to_keep=2, output_hidden_states=True, aux_num_rounds=1)
+    assert len(out.hidden_states) == len(out.aux_hidden_states) == 3 and len(out.attentions) == 2
+    for state, expected in zip(out.aux_hidden_states[:-1], one_round.aux_hidden_states[:-1]):
+        torch.testing.assert_close(state, expected)
+    torch.testing.assert_close(model.lm_head(out.aux_hidden_states[-1]), out.logits)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_gives_same_gradients(use_reentrant):
+    grads = []
+    for checkpointing in (False, True):
+        model = rounds_model(2, variant="moe_ka_gt_kp").train()
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+        input_ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(0))
+        model(input_ids, labels=input_ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    # the extra round's gradient reaches the gates and, through the reused keys/values, k_proj / v_proj
+    assert grads[0].keys() == grads[1].keys() and "model.layers.0.aux_round_gate.weight" in grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_freeze_for_aux_training_trains_the_gates():
+    model = rounds_model(2).freeze_for_aux_training()
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(model.aux_parameter_names())
+    assert {f"model.layers.{i}.aux_round_gate.weight" for i in range(2)} <= trainable
+
+
+def test_peft_trains_gates_in_modules_to_save_and_round_trips(tmp_path):
+    byte_model(aux_num_rounds=2).save_pretrained(tmp_path / "base")
+    fresh_base = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()  # noqa: E731
+    blocks = stdlib_blocks(block_size=32, chars=4000)
+    peft_model = add_lora(fresh_base(), r=4, lora_alpha=8)
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
+    assert "base_model.model.model.layers.1.aux_round_gate.modules_to_save.default.weight" in trainable
+    make_trainer(
+        peft_model, blocks, None, tmp_path / "work", max_steps=3, learning_rate=1e-2, disable_tqdm=True
+    ).train()
+    peft_model.eval()
+    gates = [layer.aux_round_gate.modules_to_save.default.weight for layer in peft_model.get_base_model().model.layers]
+    assert all(gate.abs().max() > 0 for gate in gates)  # zero-initialised, moved by training
+    with torch.no_grad():
+        trained = peft_model(blocks[:2]).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(fresh_base(), tmp_path / "adapter").eval()
+    merged = reloaded.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(blocks[:2]).logits, trained, atol=1e-5, rtol=0)
+        torch.testing.assert_close(merged(blocks[:2]).logits, trained, atol=1e-4, rtol=0)
+
+
+def test_convert_aux_rounds_writes_the_field_and_keeps_parity(tmp_path):
+    source = make_source("qwen3_moe")
+    src = save_source(source, tmp_path / "src", "sharded")
+    code, stderr = run_cli("convert", src, tmp_path / "out", "--aux-rounds", 2)
+    assert code == 0, stderr
+    converted, _, _ = assert_parity(source, tmp_path / "out")  # the aux flow (2 rounds) still reproduces the source
+    assert converted.config.aux_num_rounds == 2
+    assert all(torch.count_nonzero(layer.aux_round_gate.weight) == 0 for layer in converted.model.layers)
+    assert "--aux-rounds 2" in (tmp_path / "out" / "README.md").read_text()
+    code, stderr = run_cli("convert", src, tmp_path / "bad", "--aux-rounds", 0)
+    assert code != 0 and "--aux-rounds must be >= 1, got 0" in stderr and not (tmp_path / "bad").exists()
