@@ -24,6 +24,12 @@ def register(subparsers):
         default=None,
         help="experts per token of the aux flow (k_a); default: the source's top-k (exact parity); MoE sources only",
     )
+    parser.add_argument(
+        "--aux-rounds",
+        type=int,
+        default=1,
+        help="passes of the aux flow through the layers (aux_num_rounds); extra rounds start as the identity",
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), default="auto", help="output dtype; auto keeps the source's")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB")
     parser.add_argument(
@@ -40,6 +46,7 @@ def run(args) -> int:
         args.src,
         args.out,
         aux_top_k=args.aux_top_k,
+        aux_rounds=args.aux_rounds,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         verify=args.verify,

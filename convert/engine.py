@@ -68,8 +68,8 @@ def _expert_pieces(local: str, prefix: str, family: Family, config: DualFlowConf
 def _pieces_for(name: str, shape, source: SourceCheckpoint, family: Family, config: DualFlowConfig) -> list[Piece]:
     if name == "model.aux_embed_tokens.weight":
         return [Piece(EMBEDDING, shape)]  # upcycling init: the aux embedding starts as a copy of the primary one
-    if name.endswith(".aux_coupling.weight"):
-        return [Piece(None, shape)]  # upcycling init: no coupling
+    if name.endswith((".aux_coupling.weight", ".aux_round_gate.weight")):
+        return [Piece(None, shape)]  # upcycling init: no coupling, extra aux rounds start as the identity
     match = LAYER_NAME.match(name)
     if match and family.experts and match["local"] in FUSED_EXPERT_NAMES:
         fused_in_source = match["prefix"] + "mlp.experts.gate_up_proj" in source.tensors
