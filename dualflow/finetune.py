@@ -1,9 +1,9 @@
 """
 `dualflow finetune`: adapt a Dual-Flow checkpoint to a text corpus with `transformers.Trainer`.
 
-Three modes: full fine-tuning, `--aux-only` (only the aux flow's own embedding and couplings; the primary flow stays
-the source model bit for bit) and `--lora` (PEFT adapters on the shared weights plus the aux parameters, see
-`dualflow.lora`). The data is a .txt file (one document) or a .jsonl file (one {"text": ...} document per line),
+Three modes: full fine-tuning, `--aux-only` (only the aux flow's own parameters: embedding, couplings and, where the
+model has them, round gates; the primary flow stays the source model bit for bit) and `--lora` (PEFT adapters on the
+shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt file (one document) or a .jsonl file (one {"text": ...} document per line),
 tokenized with the model folder's tokenizer and packed into fixed-size blocks.
 """
 
@@ -239,7 +239,11 @@ def register(subparsers):
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--lora", action="store_true", help="train LoRA adapters + the aux parameters; saves the adapter")
-    mode.add_argument("--aux-only", action="store_true", help="train only the aux embedding and couplings")
+    mode.add_argument(
+        "--aux-only",
+        action="store_true",
+        help="train only the aux flow's own parameters (embedding, couplings, round gates)",
+    )
     parser.add_argument("--output-dir", help="where to save (default: ./<model name>-finetuned or -lora)")
     parser.add_argument("--epochs", type=float, default=1.0, help="training epochs (default 1)")
     parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps; overrides --epochs when > 0")

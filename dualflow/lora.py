@@ -1,6 +1,6 @@
 """
 LoRA for Dual-Flow models with PEFT: low-rank adapters on the shared weights, the aux flow's own modules (token
-embedding and per-layer couplings) trained in full through `modules_to_save`. Plain PEFT saves, reloads and merges
+embedding, per-layer couplings and round gates) trained in full through `modules_to_save`. Plain PEFT saves, reloads and merges
 the result (`PeftModel.save_pretrained`, `PeftModel.from_pretrained`, `merge_and_unload`).
 """
 
@@ -17,7 +17,7 @@ AUX_MODULES = ["aux_embed_tokens", "aux_coupling", "aux_round_gate"]
 
 
 def dualflow_lora_config(config, r: int = 16, lora_alpha: int = 32) -> LoraConfig:
-    """LoRA on attention, MLP and (MoE) fused expert weights; the aux embedding and couplings are trained in full."""
+    """LoRA on attention, MLP and (MoE) fused expert weights; the aux flow's own modules are trained in full."""
     return LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
