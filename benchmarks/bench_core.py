@@ -3,8 +3,9 @@
     python benchmarks/bench_core.py [--hidden 384 --layers 6 --experts 16 --top-k 2 --aux-top-k 2 --prompt 512]
 
 Reports prefill time (dual / primary-only), decode time per token (grouped dual / primary-only / naive two-pass), and
-KV-cache bytes (dual vs the base model's cache). Measurements are interleaved, in an order rotated every round, and
-the median is reported, so background load and warm caches favour no variant.
+KV-cache bytes (dual vs the base model's cache); the "R=2" rows time the same weights with `aux_num_rounds=2`.
+Measurements are interleaved, in an order rotated every round, and the median is reported, so background load and warm
+caches favour no variant.
 """
 
 import argparse
@@ -18,9 +19,10 @@ from dualflow.instruments.reference import two_pass_forward
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 
 
-def build_model(args) -> DualFlowForCausalLM:
+def build_model(args, aux_num_rounds: int = 1) -> DualFlowForCausalLM:
     torch.manual_seed(0)
     config = DualFlowConfig(
+        aux_num_rounds=aux_num_rounds,
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 4,
@@ -45,13 +47,13 @@ def timed(fn) -> float:
 
 
 @torch.inference_mode()
-def measure(model, args) -> dict:
+def measure(model, model_r2, args) -> dict:
     prompt = torch.randint(0, args.vocab, (1, args.prompt))
 
-    def prefill(use_aux_flow):
+    def prefill(use_aux_flow, model=model):
         return lambda: model(prompt, use_cache=True, logits_to_keep=1, use_aux_flow=use_aux_flow)
 
-    def decode_steps(step):
+    def decode_steps(step, model=model):
         cache = DualFlowCache(config=model.config)
         model(prompt[:, : args.decode_context], past_key_values=cache, use_cache=True, logits_to_keep=1)
         tokens = torch.randint(0, args.vocab, (1, args.decode_tokens))
@@ -69,6 +71,9 @@ def measure(model, args) -> dict:
     def primary_step(token, cache):
         model(token, past_key_values=cache, use_cache=True, use_aux_flow=False)
 
+    def grouped_step_r2(token, cache):
+        model_r2(token, past_key_values=cache, use_cache=True)
+
     def naive_step(token, cache):
         position = torch.tensor([[cache.get_seq_length()]])
         two_pass_forward(model, token, cache, position_ids=position)
@@ -79,6 +84,8 @@ def measure(model, args) -> dict:
         "decode_primary": decode_steps(primary_step),
         "decode_dual_grouped": decode_steps(grouped_step),
         "decode_naive_two_pass": decode_steps(naive_step),
+        "prefill_dual_r2": prefill(True, model_r2),
+        "decode_dual_grouped_r2": decode_steps(grouped_step_r2, model_r2),
     }
     for fn in variants.values():  # warm-up
         fn()
@@ -89,7 +96,7 @@ def measure(model, args) -> dict:
         for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             samples[name].append(timed(variants[name]))
     result = {name: statistics.median(values) for name, values in samples.items()}
-    for name in ("decode_primary", "decode_dual_grouped", "decode_naive_two_pass"):
+    for name in ("decode_primary", "decode_dual_grouped", "decode_naive_two_pass", "decode_dual_grouped_r2"):
         result[name] /= args.decode_tokens
 
     dual_cache = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
@@ -116,10 +123,14 @@ def main():
     args = parser.parse_args()
 
     model = build_model(args)
-    r = measure(model, args)
+    model_r2 = build_model(args, aux_num_rounds=2)
+    model_r2.load_state_dict(model.state_dict(), strict=False)  # the same weights; round gates stay 0
+    r = measure(model, model_r2, args)
     rows = [
         (f"prefill {args.prompt} tokens", r["prefill_primary"], r["prefill_dual"], None),
         ("decode, per token", r["decode_primary"], r["decode_dual_grouped"], r["decode_naive_two_pass"]),
+        (f"prefill {args.prompt}, R=2", r["prefill_primary"], r["prefill_dual_r2"], None),
+        ("decode/token, R=2", r["decode_primary"], r["decode_dual_grouped_r2"], None),
     ]
     print(
         f"model: hidden {args.hidden}, {args.layers} layers, {args.experts} experts, k_p={args.top_k}, "
