@@ -267,3 +267,14 @@ def test_convert_aux_rounds_writes_the_field_and_keeps_parity(tmp_path):
     assert "--aux-rounds 2" in (tmp_path / "out" / "README.md").read_text()
     code, stderr = run_cli("convert", src, tmp_path / "bad", "--aux-rounds", 0)
     assert code != 0 and "--aux-rounds must be >= 1, got 0" in stderr and not (tmp_path / "bad").exists()
+
+
+def test_static_cache_generation_matches_dynamic():
+    model = rounds_model(2, variant="moe_ka_gt_kp")
+    input_ids, attention_mask = left_padded_batch([5, 3])
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    kwargs |= dict(output_logits=True, return_dict_in_generate=True)
+    dynamic = model.generate(input_ids, **kwargs)
+    static = model.generate(input_ids, cache_implementation="static", **kwargs)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-5, rtol=0)
