@@ -758,9 +758,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         Parameters that belong to the aux flow alone (every module named `aux_*`): its token embedding, the per-layer
         couplings and, where the config has them, the round gates.
         """
-        return [
-            name for name, _ in self.named_parameters() if any(part.startswith("aux_") for part in name.split("."))
-        ]
+        return [name for name, _ in self.named_parameters() if any(part.startswith("aux_") for part in name.split("."))]
 
     def freeze_for_aux_training(self) -> "DualFlowForCausalLM":
         """
