@@ -6,10 +6,9 @@ from .converter import DTYPES, convert_checkpoint
 from .families import SUPPORTED_MODEL_TYPES
 
 
-def register(subparsers):
-    parser = subparsers.add_parser(
-        "convert",
-        help="upcycle a transformers checkpoint into a Dual-Flow checkpoint",
+def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
         description=(
             "Convert a checkpoint folder or Hub repo id into a Hub-ready Dual-Flow checkpoint whose primary flow is "
             f"exactly the source model. Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
@@ -38,7 +37,7 @@ def register(subparsers):
         help="compare logits (aux on/off) and greedy generations with the source; fail on a mismatch",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    parser.set_defaults(func=run)
+    return parser
 
 
 def run(args) -> int:

@@ -1,19 +1,38 @@
-"""Loading a Dual-Flow checkpoint's config with a one-line error for anything else."""
+"""Opening a Dual-Flow checkpoint (folder or Hub id): config and tokenizer, with a one-line error for anything else."""
 
+import re
 from pathlib import Path
-
-from transformers import AutoConfig
 
 from .errors import DualFlowUserError
 
 
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def check_model_path(model_path) -> None:
+    """
+    Fail at once, before torch or the Hub, for a path that cannot be a model: a local path (it exists, starts with
+    `.`, `/` or `~`, its parent folder exists, or it is not of the Hub's `org/name` form) that is no model folder.
+    """
+    path, text = Path(model_path), str(model_path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DualFlowUserError(f"{model_path} is not a model folder (no config.json)")
+        return
+    if path.exists():
+        raise DualFlowUserError(f"{model_path} is a file, not a model folder")
+    parent_exists = path.parent != Path(".") and path.parent.is_dir()
+    if text.startswith((".", "/", "~")) or parent_exists or not HUB_ID.fullmatch(text):
+        raise DualFlowUserError(f"{model_path} does not exist (a local path; Hub ids look like org/name)")
+
+
 def load_dualflow_config(model_path):
     """The DualFlowConfig of a folder or Hub id; a DualFlowUserError when there is none or it is another model type."""
-    path = Path(model_path)
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise DualFlowUserError(f"{model_path} is not a model folder (no config.json)")
-    if not path.exists() and (path.is_absolute() or str(model_path).startswith(".")):
-        raise DualFlowUserError(f"{model_path} does not exist")
+    from transformers import AutoConfig
+
+    import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
+
+    check_model_path(model_path)
     try:
         config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError) as error:
@@ -25,3 +44,30 @@ def load_dualflow_config(model_path):
             f"{model_path} is a {config.model_type!r} model, not a Dual-Flow one: convert it first with `dualflow convert`"
         )
     return config
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def has_tokenizer(model_path) -> bool:
+    """Whether a local model folder holds tokenizer files (a Hub id is assumed to)."""
+    path = Path(model_path)
+    return not path.is_dir() or any((path / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(model_path):
+    """The model's tokenizer; a DualFlowUserError saying what to add when the folder has none or it does not load."""
+    from transformers import AutoTokenizer
+
+    if not has_tokenizer(model_path):
+        raise DualFlowUserError(
+            f"{model_path} has no tokenizer: add the source model's, e.g. "
+            f"AutoTokenizer.from_pretrained(SOURCE).save_pretrained({str(model_path)!r}) "
+            "(`dualflow convert` copies it when the source folder has one)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as error:
+        raise DualFlowUserError(
+            f"the tokenizer in {model_path} does not load: {str(error).strip().splitlines()[0]}"
+        ) from None

@@ -1,4 +1,7 @@
-"""`dualflow` command line: each subcommand lives in its own module exposing `register(subparsers)`."""
+"""
+`dualflow` command line. Each subcommand lives in its own module exposing `build_parser(prog)` and `run(args)`; only
+the module of the command being run is imported, so `dualflow --help` and argument errors need no torch.
+"""
 
 import argparse
 import importlib
@@ -7,32 +10,48 @@ import sys
 from .errors import DualFlowUserError
 
 
-SUBCOMMAND_MODULES = [
-    "dualflow.instruments.demo",
-    "dualflow.convert.cli",
-    "dualflow.finetune",
-    "dualflow.hub",
-    "dualflow.instruments.compare",
-    "dualflow.instruments.experiment",
-]
+# name: (module, one-line help)
+COMMANDS = {
+    "demo": ("dualflow.instruments.demo", "build, convert, generate and compare a tiny MoE (under a minute, offline)"),
+    "convert": ("dualflow.convert.cli", "upcycle a transformers checkpoint into a Dual-Flow checkpoint"),
+    "finetune": (
+        "dualflow.finetune",
+        "fine-tune a Dual-Flow model on a .txt / .jsonl corpus with transformers.Trainer",
+    ),
+    "push": ("dualflow.hub", "upload a Dual-Flow model (or LoRA adapter) folder to the Hugging Face Hub"),
+    "compare": (
+        "dualflow.instruments.compare",
+        "measure prefill, decode, KV cache, memory and loss: primary-only vs dual-flow vs alternatives",
+    ),
+    "experiment": (
+        "dualflow.instruments.experiment",
+        "train tiny MoE LMs from scratch: single-flow vs dual-flow arms, same tokens and seeds",
+    ),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: lists the commands (each command's own parser comes from its module)."""
     parser = argparse.ArgumentParser(
         prog="dualflow", description="Dual-Flow Transformers for transformers: convert, fine-tune, share and measure."
     )
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for module_name in SUBCOMMAND_MODULES:
-        importlib.import_module(module_name).register(subparsers)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (_, help_text) in COMMANDS.items():
+        subparsers.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        build_parser().parse_args(argv)  # prints the help or the usage error and exits
+    command = argv[0]
+    module = importlib.import_module(COMMANDS[command][0])
+    args = module.build_parser(f"dualflow {command}").parse_args(argv[1:])
     try:
-        return args.func(args) or 0
+        return module.run(args) or 0
     except (DualFlowUserError, FileNotFoundError, ValueError) as error:
-        print(f"dualflow {args.command}: error: {error}", file=sys.stderr)
+        print(f"dualflow {command}: error: {error}", file=sys.stderr)
         return 2
 
 

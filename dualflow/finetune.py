@@ -7,17 +7,19 @@ shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt
 tokenized with the model folder's tokenizer and packed into fixed-size blocks.
 """
 
+import argparse
 import json
 import os
 import shutil
-import tempfile
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
-from .checkpoint import load_dualflow_config
+from .checkpoint import load_dualflow_config, load_tokenizer
 from .errors import DualFlowUserError
 from .lora import add_lora
 from .model_card import license_of, write_model_card
@@ -85,63 +87,74 @@ def as_examples(blocks: torch.Tensor) -> list[dict]:
     return [{"input_ids": block, "labels": block} for block in blocks]
 
 
+# This package's choices where TrainingArguments' own defaults differ; any field can be overridden.
+TRAINER_DEFAULTS = {
+    "learning_rate": 1e-4,
+    "num_train_epochs": 1.0,
+    "per_device_train_batch_size": 8,
+    "per_device_eval_batch_size": 8,
+    "seed": 0,
+    "save_strategy": "no",
+    "report_to": "none",
+}
+
+
 def make_trainer(
     model,
     train_blocks: torch.Tensor,
     eval_blocks: torch.Tensor | None,
     output_dir,
-    batch_size: int = 8,
-    gradient_accumulation_steps: int = 1,
-    learning_rate: float = 1e-4,
-    epochs: float = 1.0,
-    max_steps: int = -1,
-    bf16: bool = False,
-    gradient_checkpointing: bool = False,
-    seed: int = 0,
+    batch_size: int | None = None,
     **training_arguments,
 ) -> Trainer:
-    """A plain `transformers.Trainer` over packed blocks; extra keyword arguments go to `TrainingArguments`."""
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=batch_size,
-        per_device_eval_batch_size=batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        learning_rate=learning_rate,
-        num_train_epochs=epochs,
-        max_steps=max_steps,
-        bf16=bf16,
-        # bf16 autocast also runs on CPU, but Trainer only allows it there when told to use the CPU.
-        use_cpu=bf16 and not torch.cuda.is_available(),
-        activation_checkpointing=gradient_checkpointing,
-        seed=seed,
-        save_strategy="no",
-        report_to="none",
-        **training_arguments,
-    )
+    """
+    A plain `transformers.Trainer` over packed blocks. `training_arguments` are `TrainingArguments` fields, on top of
+    TRAINER_DEFAULTS; `batch_size` sets the train and eval batch per device.
+    """
+    arguments = dict(TRAINER_DEFAULTS)
+    if batch_size is not None:
+        arguments.update(per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size)
+    arguments.update(training_arguments)
+    if not torch.cuda.is_available():
+        arguments["dataloader_pin_memory"] = False  # nothing to pin for without a GPU (torch warns on every batch)
+        if arguments.get("bf16"):
+            arguments["use_cpu"] = True  # bf16 autocast runs on CPU, but Trainer allows it only when told so
     return Trainer(
         model=model,
-        args=args,
+        args=TrainingArguments(output_dir=str(output_dir), **arguments),
         train_dataset=as_examples(train_blocks),
         eval_dataset=as_examples(eval_blocks) if eval_blocks is not None else None,
     )
 
 
+@torch.no_grad()
+def flow_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
+    """Mean next-token NLL per token (nats) of each flow over `blocks`: {"aux flow": ..., "primary flow": ...}."""
+    was_training = model.training
+    model.eval()
+    totals, count = {"aux flow": 0.0, "primary flow": 0.0}, 0
+    for start in range(0, len(blocks), batch_size):
+        batch = blocks[start : start + batch_size].to(model.device)
+        outputs = model(input_ids=batch, use_aux_flow=True)
+        for name, logits in (("aux flow", outputs.logits), ("primary flow", outputs.primary_logits)):
+            totals[name] += F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
+            ).item()
+        count += batch[:, 1:].numel()
+    model.train(was_training)
+    return {name: total / count for name, total in totals.items()}
+
+
+def _format_nll(nll: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.4f}" for name, value in nll.items())
+
+
 @dataclass
 class FinetuneResult:
     output_dir: Path
-    eval_loss_before: float
-    eval_loss_after: float
+    eval_nll_before: dict[str, float]
+    eval_nll_after: dict[str, float]
     trainable_parameters: int
-
-
-def load_tokenizer(model_path):
-    try:
-        return AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError, TypeError) as error:
-        raise DualFlowUserError(
-            f"no tokenizer found for {model_path} ({str(error).splitlines()[0]}); "
-            "save one into the model folder with tokenizer.save_pretrained(...)"
-        ) from None
 
 
 def _check_output_dir(output_dir: Path):
@@ -159,19 +172,22 @@ def finetune(
     eval_fraction: float = 0.1,
     lora_r: int = 16,
     lora_alpha: int = 32,
-    **trainer_options,
+    **training_arguments,
 ) -> FinetuneResult:
     """
     Fine-tune `model_path` on `data_path` and save the result into `output_dir`: the full model (loadable with
     `AutoModelForCausalLM`, also as remote code) or, with `lora`, the adapter (load it with `peft.PeftModel.from_pretrained`).
-    `trainer_options` go to `make_trainer`. The folder appears only once everything is written.
+    `training_arguments` go to `make_trainer`. The folder appears only once everything is written; Trainer's
+    checkpoints, if any are saved, end up inside it.
     """
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
     if block_size < 2:  # a block of one token has no next token to predict: the loss would be NaN
         raise DualFlowUserError(f"--block-size must be >= 2, got {block_size}")
-    if trainer_options.get("gradient_accumulation_steps", 1) < 1:
-        raise DualFlowUserError(f"--grad-accum must be >= 1, got {trainer_options['gradient_accumulation_steps']}")
+    if training_arguments.get("gradient_accumulation_steps", 1) < 1:
+        raise DualFlowUserError(
+            f"--gradient-accumulation-steps must be >= 1, got {training_arguments['gradient_accumulation_steps']}"
+        )
     output_dir = Path(output_dir)
     _check_output_dir(output_dir)
     texts = read_texts(data_path)
@@ -192,30 +208,30 @@ def finetune(
     trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
     print(f"trainable parameters: {trainable:,}")
 
-    with tempfile.TemporaryDirectory(prefix="dualflow-finetune-") as work_dir:
-        trainer = make_trainer(model, train_blocks, eval_blocks, work_dir, **trainer_options)
-        before = trainer.evaluate()["eval_loss"]
-        print(f"eval loss before: {before:.4f}")
-        trainer.train()
-        after = trainer.evaluate()["eval_loss"]
-        print(f"eval loss after: {after:.4f}")
-
-    model.config.output_router_logits = saved_router_setting
+    # A hidden sibling folder (same filesystem, so the final rename is atomic) with the usual permissions.
+    staging = output_dir.parent / f".{output_dir.name}.partial-{uuid.uuid4().hex[:12]}"
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}-", dir=output_dir.parent))
+    staging.mkdir()
     try:
-        if lora:
-            model.save_pretrained(staging)
-        else:
-            model.save_pretrained(staging)
+        trainer = make_trainer(model, train_blocks, eval_blocks, staging, **training_arguments)
+        eval_batch = trainer.args.per_device_eval_batch_size
+        before = flow_nll(trainer.model, eval_blocks, eval_batch)
+        print(f"eval NLL per token (nats) before: {_format_nll(before)}")
+        trainer.train()
+        after = flow_nll(trainer.model, eval_blocks, eval_batch)
+        print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
+
+        model.config.output_router_logits = saved_router_setting
+        model.save_pretrained(staging)
+        if not lora:
             mode = "aux-only" if aux_only else "full"
             write_model_card(
                 staging,
                 model.config,
                 repo_id=str(output_dir),
                 license=license_of(model_path),
-                extra=f"Fine-tuned ({mode}) with `dualflow finetune` on `{Path(data_path).name}`: "
-                f"eval loss {before:.4f} -> {after:.4f}.",
+                extra=f"Fine-tuned ({mode}) with `dualflow finetune` on `{Path(data_path).name}`: eval NLL per "
+                f"token (nats) before: {_format_nll(before)}; after: {_format_nll(after)}.",
             )
         tokenizer.save_pretrained(staging)
         if output_dir.exists():
@@ -227,59 +243,50 @@ def finetune(
     return FinetuneResult(output_dir, before, after, trainable)
 
 
-def register(subparsers):
-    parser = subparsers.add_parser(
-        "finetune",
-        help="fine-tune a Dual-Flow model on a .txt / .jsonl corpus with transformers.Trainer",
-        description=__doc__.strip().splitlines()[0],
+@dataclass
+class FinetuneArguments:
+    """`dualflow finetune`'s own options; every `transformers.TrainingArguments` flag works too."""
+
+    data: str = field(metadata={"help": 'FILE.txt (one document) or FILE.jsonl (one {"text": ...} per line)'})
+    lora: bool = field(default=False, metadata={"help": "train LoRA adapters + the aux parameters; saves the adapter"})
+    aux_only: bool = field(
+        default=False, metadata={"help": "train only the aux flow's own parameters (embedding, couplings, round gates)"}
+    )
+    block_size: int = field(default=512, metadata={"help": "tokens per training block (capped at the model's)"})
+    eval_fraction: float = field(default=0.1, metadata={"help": "share of blocks held out for evaluation"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
+
+
+# Short spellings kept from earlier versions: flag -> (TrainingArguments field, type).
+ALIASES = {
+    "--lr": ("learning_rate", float),
+    "--epochs": ("num_train_epochs", float),
+    "--batch-size": ("per_device_train_batch_size", int),
+    "--grad-accum": ("gradient_accumulation_steps", int),
+}
+
+
+def build_parser(prog: str = "dualflow finetune") -> HfArgumentParser:
+    parser = HfArgumentParser(
+        (FinetuneArguments, TrainingArguments),
+        prog=prog,
+        description=__doc__.strip().splitlines()[0]
+        + " Every transformers.TrainingArguments flag works (--max_steps or --max-steps, --bf16, ...); "
+        "--output-dir defaults to ./<model name>-finetuned (or -lora).",
     )
     parser.add_argument("model", help="Dual-Flow model folder (or Hub id) with a tokenizer")
-    parser.add_argument(
-        "--data", required=True, help='FILE.txt (one document) or FILE.jsonl (one {"text": ...} per line)'
-    )
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--lora", action="store_true", help="train LoRA adapters + the aux parameters; saves the adapter")
-    mode.add_argument(
-        "--aux-only",
-        action="store_true",
-        help="train only the aux flow's own parameters (embedding, couplings, round gates)",
-    )
-    parser.add_argument("--output-dir", help="where to save (default: ./<model name>-finetuned or -lora)")
-    parser.add_argument("--epochs", type=float, default=1.0, help="training epochs (default 1)")
-    parser.add_argument("--max-steps", type=int, default=-1, help="optimizer steps; overrides --epochs when > 0")
-    parser.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4)")
-    parser.add_argument("--batch-size", type=int, default=8, help="blocks per device batch (default 8)")
-    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default 1)")
-    parser.add_argument("--block-size", type=int, default=512, help="tokens per training block (default 512)")
-    parser.add_argument("--eval-fraction", type=float, default=0.1, help="share of blocks held out (default 0.1)")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU, or CPU when no GPU is present)")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
-    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default 16)")
-    parser.add_argument("--lora-alpha", type=int, default=32, help="LoRA alpha (default 32)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(func=run)
+    for flag, (name, kind) in ALIASES.items():
+        parser.add_argument(flag, dest=name, type=kind, help=f"alias of --{name}")
+    parser.set_defaults(**TRAINER_DEFAULTS, output_dir=None)
+    return parser
 
 
-def run(args) -> int:
-    suffix = "lora" if args.lora else "finetuned"
-    output_dir = args.output_dir or f"{Path(args.model).name}-{suffix}"
-    finetune(
-        args.model,
-        args.data,
-        output_dir,
-        lora=args.lora,
-        aux_only=args.aux_only,
-        block_size=args.block_size,
-        eval_fraction=args.eval_fraction,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=args.lr,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        bf16=args.bf16,
-        gradient_checkpointing=args.gradient_checkpointing,
-        seed=args.seed,
-    )
+def run(args: argparse.Namespace) -> int:
+    values = dict(vars(args))
+    model = values.pop("model")
+    options = {item.name: values.pop(item.name) for item in fields(FinetuneArguments)}
+    suffix = "lora" if options["lora"] else "finetuned"
+    output_dir = values.pop("output_dir") or f"{Path(model).name}-{suffix}"
+    finetune(model, options.pop("data"), output_dir, **options, **values)
     return 0

@@ -6,6 +6,7 @@ files, the weights and a model card. `push_model(model, repo_id)` (what `model.p
 card from `model_cards/`) writes all of that and uploads it in one commit.
 """
 
+import argparse
 import json
 import tempfile
 from pathlib import Path
@@ -161,10 +162,9 @@ def push_model(
         )
 
 
-def register(subparsers):
-    parser = subparsers.add_parser(
-        "push",
-        help="upload a Dual-Flow model (or LoRA adapter) folder to the Hugging Face Hub",
+def build_parser(prog: str = "dualflow push") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
         description="Check the folder (config auto_map, code files, weights), add a model card if missing, upload.",
     )
     parser.add_argument("folder", help="folder written by save_pretrained / dualflow convert / dualflow finetune")
@@ -172,7 +172,7 @@ def register(subparsers):
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the `hf auth login` token)")
     parser.add_argument("--commit-message", help="commit message (default: 'Upload Dual-Flow model')")
-    parser.set_defaults(func=run)
+    return parser
 
 
 def run(args) -> int:

@@ -4,6 +4,8 @@ embedding, per-layer couplings and round gates) trained in full through `modules
 the result (`PeftModel.save_pretrained`, `PeftModel.from_pretrained`, `merge_and_unload`).
 """
 
+import warnings
+
 from peft import LoraConfig, PeftModel, get_peft_model
 
 
@@ -30,4 +32,7 @@ def dualflow_lora_config(config, r: int = 16, lora_alpha: int = 32) -> LoraConfi
 
 def add_lora(model, r: int = 16, lora_alpha: int = 32) -> PeftModel:
     """Wrap `model` with LoRA as configured by `dualflow_lora_config`."""
-    return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha))
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing` alias: a FutureWarning the user cannot act on.
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha))

@@ -6,6 +6,7 @@
 4. print a short `dualflow compare` table.
 """
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ..convert import convert_checkpoint
-from .compare import CompareSettings, compare_report, data_tokens, load_checkpoint
 from .data import BYTE_VOCAB_SIZE, decode_bytes, encode_bytes
+from .inputs import data_tokens, load_checkpoint
+from .measure import CompareSettings, compare_report, noise_warning
 
 
 PROMPT = "def fibonacci(n):"
@@ -49,15 +51,14 @@ def _generate(model, prompt_ids: torch.Tensor, **kwargs) -> list[int]:
     return output[0, prompt_ids.shape[1] :].tolist()
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="build, convert, generate and compare a tiny MoE (about a minute)",
+def build_parser(prog: str = "dualflow demo") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--out", help="keep the converted checkpoint in this folder (default: a temporary one)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    parser.set_defaults(func=run)
+    return parser
 
 
 def run(args) -> int:
@@ -93,8 +94,11 @@ def run(args) -> int:
         print("4. dualflow compare on the converted checkpoint (byte-level stdlib text):")
         measured_model, tokenizer = load_checkpoint(converted)
         tokens, data_names = data_tokens(None, tokenizer)
-        report = compare_report(measured_model, str(converted), data_names, tokens, DEMO_SETTINGS, show_progress=False)
+        report = compare_report(measured_model, str(converted), data_names, tokens, DEMO_SETTINGS)
         print(report["table"])
+        print(f"   timings: medians of {DEMO_SETTINGS.repeats} repeats (ratio to primary-only, range over repeats)")
+        if report["noisy_timings"]:
+            print("   " + noise_warning(report["noisy_timings"]))
         print("   (untrained aux flow: expect little quality difference; ratios show what the aux flow costs)")
         print("next: `dualflow compare` for the full measurement, `dualflow experiment --quick` to train tiny arms.")
     return 0

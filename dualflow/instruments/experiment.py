@@ -6,6 +6,7 @@ seed. Single-flow arms are the same model class trained with the aux flow off. A
 `DualFlowConfig` fields it changes and how its training differs, so a new config field becomes an arm in one line.
 """
 
+import argparse
 import json
 import math
 import os
@@ -550,10 +551,9 @@ def select_arms(names) -> tuple[list[Arm], list[str]]:
     return arms, skipped
 
 
-def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "experiment",
-        help="train tiny MoE LMs from scratch: single-flow vs dual-flow arms, same tokens and seeds",
+def build_parser(prog: str = "dualflow experiment") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
@@ -588,7 +588,7 @@ def register(subparsers) -> None:
         default=1,
         help="torch CPU threads per run (default 1: these matmuls are too small to gain from more)",
     )
-    parser.set_defaults(func=run)
+    return parser
 
 
 def run(args) -> int:

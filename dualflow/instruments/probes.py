@@ -1,0 +1,62 @@
+"""Wall time and peak memory of one call, on CPU (Linux /proc, else getrusage) or CUDA."""
+
+import gc
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def seconds(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def peak_memory_method(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "torch.cuda.max_memory_allocated() (all tensors, weights included)"
+    if _status_kib("VmHWM") is not None and os.access("/proc/self/clear_refs", os.W_OK):
+        return "process peak RSS (Linux VmHWM, reset via /proc/self/clear_refs before the call)"
+    return "process lifetime peak RSS (getrusage ru_maxrss; cannot be reset, so an older peak can hide this one)"
+
+
+def peak_memory_bytes(fn, device: torch.device) -> tuple[int, int]:
+    """(peak memory during `fn()`, that peak minus the memory in use before it); see `peak_memory_method`."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        return peak, peak - before
+    if "VmHWM" in peak_memory_method(device):
+        Path("/proc/self/clear_refs").write_text("5")  # 5 = reset the peak RSS to the current RSS
+        before = _status_kib("VmRSS")
+        fn()
+        peak = _status_kib("VmHWM")
+        return peak * 1024, (peak - before) * 1024
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * scale, (peak - before) * scale

@@ -1,0 +1,41 @@
+"""The `dualflow` command line: the commands it lists, and a --help that imports neither torch nor transformers."""
+
+import subprocess
+import sys
+
+from dualflow.cli import COMMANDS
+
+
+HEAVY = ("torch", "transformers", "huggingface_hub")
+
+
+def run_cli(*argv) -> subprocess.CompletedProcess:
+    code = (
+        "import sys\nfrom dualflow.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n    status = exit.code\n"
+        f"print('heavy imports:', [name for name in {HEAVY!r} if name in sys.modules], file=sys.stderr)\n"
+        "sys.exit(status)"
+    )
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_help_lists_every_command_without_heavy_imports():
+    completed = run_cli("--help")
+    assert completed.returncode == 0
+    assert completed.stderr.strip() == "heavy imports: []"
+    assert set(COMMANDS) == {"demo", "convert", "finetune", "push", "compare", "experiment"}
+    for name, (_, help_text) in COMMANDS.items():
+        assert f"    {name}" in completed.stdout and help_text.split()[0] in completed.stdout
+
+
+def test_unknown_command_and_missing_command_are_usage_errors_without_heavy_imports():
+    for argv in (("frobnicate",), ()):
+        completed = run_cli(*argv)
+        assert completed.returncode == 2
+        assert "usage: dualflow" in completed.stderr and "heavy imports: []" in completed.stderr
+
+
+def test_each_command_has_its_own_help():
+    for name in COMMANDS:
+        completed = run_cli(name, "--help")
+        assert completed.returncode == 0 and f"usage: dualflow {name}" in completed.stdout, completed.stderr

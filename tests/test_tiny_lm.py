@@ -1,0 +1,28 @@
+"""tiny_lm: the token-mean NLL the instruments report."""
+
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+
+from dualflow.instruments.tiny_lm import mean_token_nll
+
+
+def hand_nll(model, blocks, **kwargs) -> float:
+    """Mean over every predicted token of -log p(next token), straight from log-softmax."""
+    nlls = []
+    for block in blocks:
+        log_probs = torch.log_softmax(model(block[None], **kwargs).logits[0, :-1].float(), dim=-1)
+        nlls.append(-log_probs.gather(-1, block[1:, None]).squeeze(-1))
+    return torch.cat(nlls).mean().item()
+
+
+def test_mean_token_nll_equals_hand_computation():
+    model = tiny_model(aux_num_experts_per_tok=4)
+    blocks = torch.randint(0, model.config.vocab_size, (5, 12))
+    for use_aux_flow in (False, True):
+        expected = hand_nll(model, blocks, use_aux_flow=use_aux_flow)
+        # batch_size=2 leaves a short last batch: the token mean must still weight every token once
+        assert abs(mean_token_nll(model, blocks, batch_size=2, use_aux_flow=use_aux_flow) - expected) < 1e-5
+    logits = model(blocks, use_aux_flow=False).logits
+    cross_entropy = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), blocks[:, 1:].reshape(-1))
+    assert abs(mean_token_nll(model, blocks, batch_size=5, use_aux_flow=False) - cross_entropy.item()) < 1e-5
