@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
+import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
+
 from .checkpoint import load_dualflow_config, load_tokenizer
 from .errors import DualFlowUserError
 from .lora import add_lora

@@ -2,8 +2,9 @@
 Share Dual-Flow checkpoints on the Hugging Face Hub (`dualflow push`).
 
 A shared model folder must load anywhere with `trust_remote_code=True`: config.json with `auto_map`, the three code
-files, the weights and a model card. `push_model(model, repo_id)` (what `model.push_to_hub` does, plus the Dual-Flow
-card from `model_cards/`) writes all of that and uploads it in one commit.
+files, the weights and a model card. `push_model` (the arguments of transformers' `push_to_hub`) writes all of that,
+the Dual-Flow card from `model_cards/` included, and uploads it in one commit; `dualflow push` checks and uploads a
+folder that is already written.
 """
 
 import argparse

@@ -8,6 +8,8 @@ import warnings
 
 from peft import LoraConfig, PeftModel, get_peft_model
 
+import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
+
 
 ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # nn.Linear MLPs: the dense layers, `mlp_only_layers` and the shared expert.
