@@ -55,7 +55,7 @@ def test_compare_of_a_local_looking_path_fails_at_once(path):
         "import sys\nfrom dualflow.cli import main\nstatus = main(['compare', sys.argv[1]])\n"
         "print(status, 'torch' in sys.modules, 'huggingface_hub' in sys.modules)"
     )
-    completed = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60)
+    completed = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=300)
     assert completed.stdout.split() == ["2", "False", "False"]
     assert (
         completed.stderr.strip()

@@ -27,7 +27,7 @@ def test_without_matplotlib_the_error_names_the_extra():
         "from dualflow.cli import main\n"
         "sys.exit(main(['compare', '--plot', 'x.png']))"
     )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert completed.returncode == 2
     assert completed.stderr.strip() == (
         "dualflow compare: error: plots need matplotlib: pip install 'dualflow-transformers[instruments]' "
