@@ -38,3 +38,9 @@ def test_two_pass_refuses_a_cache_that_drops_keys():
     model = tiny_model(sliding_window=4)
     with pytest.raises(ValueError, match="keeps every key"):
         TwoPassDualFlow(model)(torch.randint(0, 97, (1, 6)), past_key_values=DualFlowCache(config=model.config))
+
+
+def test_two_pass_refuses_more_than_one_aux_round():
+    model = tiny_model(aux_num_rounds=2)
+    with pytest.raises(ValueError, match="one aux round"):
+        TwoPassDualFlow(model)(torch.randint(0, 97, (1, 6)))

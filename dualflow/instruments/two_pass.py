@@ -35,6 +35,8 @@ class TwoPassDualFlow(nn.Module):
     def forward(
         self, input_ids, past_key_values=None, use_cache=True, logits_to_keep: int = 0, aux_num_experts_per_tok=None
     ) -> CausalLMOutputWithPast:
+        if self.model.config.aux_num_rounds != 1:
+            raise ValueError("the two-pass execution covers one aux round (aux_num_rounds=1)")
         cache = past_key_values if past_key_values is not None else DualFlowCache()
         if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
             raise ValueError("the two-pass execution needs a cache that keeps every key: pass DualFlowCache()")

@@ -2,7 +2,8 @@
 The ways `dualflow compare` runs one checkpoint's weights, each called like a causal LM:
 - primary-only: the aux flow off, i.e. the base model;
 - dual-flow: the grouped execution (aux flow on);
-- two-pass: the same result computed as two batched passes over the layers (`two_pass.TwoPassDualFlow`);
+- two-pass: the same result computed as two batched passes over the layers (`two_pass.TwoPassDualFlow`; models with
+  one aux round);
 - single top-k=k_a (MoE): the aux flow off and every token routed to k_a experts ("scale the whole model").
 """
 
@@ -58,8 +59,9 @@ def build_variants(model) -> list[Variant]:
     variants = [
         Variant(BASELINE, model, {"use_aux_flow": False}, config),
         Variant("dual-flow", model, {"use_aux_flow": True}, config),
-        Variant("two-pass", TwoPassDualFlow(model)),
     ]
+    if config.aux_num_rounds == 1:  # the two-pass execution walks the layers once for the aux flow
+        variants.append(Variant("two-pass", TwoPassDualFlow(model)))
     if config.num_experts:
         k_a = config.aux_num_experts_per_tok
         variants.append(Variant(f"single top-k={k_a}", with_top_k(model, k_a), {"use_aux_flow": False}, config))
