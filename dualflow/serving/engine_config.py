@@ -1,0 +1,30 @@
+"""What the Dual-Flow vLLM model needs from the engine configuration, and what it refuses."""
+
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+
+def check_supported(config, vllm_config) -> None:
+    """One-line errors for checkpoints and engine settings this model class does not serve."""
+    if config.hidden_act != "silu":
+        raise ValueError(f"Dual-Flow in vLLM supports hidden_act='silu' only, got {config.hidden_act!r}")
+    if config.qk_norm == "full" and vllm_config.parallel_config.tensor_parallel_size > 1:
+        raise ValueError("Dual-Flow in vLLM: qk_norm='full' (OLMoE) needs the whole projection, use tensor_parallel_size=1")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("Dual-Flow in vLLM does not support pipeline parallelism")
+    if config.num_experts and not 1 <= config.aux_num_experts_per_tok <= config.num_experts:
+        raise ValueError(
+            f"aux_num_experts_per_tok must be in [1, num_experts={config.num_experts}], "
+            f"got {config.aux_num_experts_per_tok}"
+        )
+
+
+class DualFlowEngineConfig(VerifyAndUpdateConfig):
+    """
+    Turns on vLLM's KV-sharing fast prefill when the aux flow runs: the aux attention layers (KV-sharing layers
+    built after all primary ones) then get metadata for the sampled rows only, so prefill costs the base model.
+    """
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        if getattr(vllm_config.model_config.hf_config, "use_aux_flow", False):
+            vllm_config.cache_config.kv_sharing_fast_prefill = True

@@ -1,0 +1,361 @@
+"""
+Dual-Flow causal LM for vLLM (DESIGN §9), built from vLLM's own layers.
+
+The primary flow is the base model: every scheduled token goes through it and it alone writes the paged KV cache.
+The aux flow runs only at the rows vLLM samples from (each request's last scheduled token in a step, or every draft
+position under speculative decoding). In each layer its rows are stacked under the primary rows, so q/o projections,
+norms, router and experts see both flows in one call (DESIGN §5); its attention is a second, query-only call over the
+same pages: a KV-sharing `Attention` layer that reads the primary layer's cache and writes nothing. vLLM's
+KV-sharing fast-prefill metadata (switched on for this model by `DualFlowEngineConfig`) gives that call exactly the
+sampled rows, so prefill pays the base model plus one aux row per request.
+
+After the final norm the aux states replace the primary states at the sampled rows: `compute_logits`, the sampler and
+everything downstream then see the aux prediction there. Other rows (prompt logprobs) keep the primary flow's states,
+i.e. the base model's prediction.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+from vllm.sequence import IntermediateTensors
+
+from .engine_config import check_supported
+
+
+class DualFlowMLP(nn.Module):
+    """Dense SwiGLU MLP (dense layers and the Qwen2-MoE shared expert)."""
+
+    def __init__(self, config, intermediate_size: int, quant_config, reduce_results: bool = True, prefix: str = ""):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            config.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            reduce_results=reduce_results,
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        out, _ = self.down_proj(self.act_fn(gate_up))
+        return out
+
+
+class DualFlowSparseMoeBlock(nn.Module):
+    """
+    Shared router and experts for both flows, one experts call per layer. FusedMoE takes one top-k, so it is built
+    with k_p: primary rows route as in the base model, and each aux row is cut into ceil(k_a / k_p) rows of k_p
+    (expert, weight) slots (the row plus copies of it appended at the end), slots left over pointing at a real expert
+    with weight 0. The routing function reads the row layout of the current call from `self.rows`.
+    """
+
+    def __init__(self, config, quant_config, prefix: str = ""):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.aux_top_k = config.aux_num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.rows = (0, 0, 1)  # (primary rows, aux rows, chunks per aux row) of the call in progress
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, prefix=f"{prefix}.gate")
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = DualFlowMLP(
+                config, config.shared_expert_intermediate_size, quant_config, prefix=f"{prefix}.shared_expert"
+            )
+            self.shared_expert_gate = ReplicatedLinear(
+                config.hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate"
+            )
+        self.experts = FusedMoEFactory(
+            num_experts=config.num_experts,
+            top_k=self.top_k,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=config.norm_topk_prob,
+            quant_config=quant_config,
+            custom_routing_function=self.route,
+            prefix=f"{prefix}.experts",
+        )
+
+    def _select(self, probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def route(self, hidden_states, gating_output, topk, renormalize):
+        num_primary, num_aux, chunks = self.rows
+        probs = F.softmax(gating_output, dim=-1, dtype=torch.float32)
+        weights, ids = self._select(probs[: num_primary + num_aux], topk)
+        if num_aux == 0 or self.aux_top_k == self.top_k:
+            return weights, ids
+        weights_a, ids_a = self._select(probs[num_primary : num_primary + num_aux], self.aux_top_k)
+        padding = chunks * topk - self.aux_top_k
+        if padding:
+            ids_a = torch.cat([ids_a, ids_a[:, :1].expand(-1, padding)], dim=-1)
+            weights_a = F.pad(weights_a, (0, padding))
+        # (aux, chunks * k_p) -> chunk-major rows matching [aux rows; copy 1; copy 2; ...]
+        weights_a = weights_a.view(num_aux, chunks, topk).transpose(0, 1).reshape(-1, topk)
+        ids_a = ids_a.view(num_aux, chunks, topk).transpose(0, 1).reshape(-1, topk)
+        return torch.cat([weights[:num_primary], weights_a]), torch.cat([ids[:num_primary], ids_a])
+
+    def forward(self, hidden_states: torch.Tensor, num_primary: int) -> torch.Tensor:
+        num_aux = hidden_states.shape[0] - num_primary
+        chunks = -(-self.aux_top_k // self.top_k) if num_aux else 1
+        rows = hidden_states
+        if chunks > 1:
+            rows = torch.cat([hidden_states, hidden_states[num_primary:].repeat(chunks - 1, 1)])
+        router_logits, _ = self.gate(rows)
+        self.rows = (num_primary, num_aux, chunks)
+        out = self.experts(hidden_states=rows, router_logits=router_logits)
+        if chunks > 1:
+            extra = out[hidden_states.shape[0] :].view(chunks - 1, num_aux, -1).sum(dim=0)
+            out = torch.cat([out[:num_primary], out[num_primary : hidden_states.shape[0]] + extra])
+        if self.shared_expert is not None:
+            gate, _ = self.shared_expert_gate(hidden_states)
+            out = out + torch.sigmoid(gate) * self.shared_expert(hidden_states)
+        return out
+
+
+class DualFlowAttention(nn.Module):
+    """q/k/v and o projections over [primary; aux] rows; the primary rows attend and fill the cache, the aux rows
+    attend through `aux_attn` (set by the model), which reads the same cache."""
+
+    def __init__(self, config, cache_config, quant_config, prefix: str = ""):
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qk_norm = config.qk_norm
+        self.clip_qkv = config.clip_qkv
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        if config.qk_norm == "per_head":
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        elif config.qk_norm == "full":  # whole projection (OLMoE); check_supported keeps this to one TP rank
+            self.q_norm = RMSNorm(self.q_size, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(
+            self.head_dim, max_position=config.max_position_embeddings, rope_parameters=config.rope_parameters
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            per_layer_sliding_window=config.sliding_window,
+            prefix=f"{prefix}.attn",
+        )
+        self.aux_attn: Attention | None = None
+
+    def _norm(self, states: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        if self.qk_norm == "full":
+            return norm(states)
+        by_head = states.view(*states.shape[:-1], -1, self.head_dim)
+        return norm(by_head).view(states.shape)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, num_primary: int) -> torch.Tensor:
+        # hidden_states: (T + P, hidden), normed; positions: (T + P,)
+        qkv, _ = self.qkv_proj(hidden_states)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm is not None:
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        q, k = self.rotary_emb(positions, q, k)
+        output = self.attn(q[:num_primary], k[:num_primary], v[:num_primary])
+        if hidden_states.shape[0] > num_primary:
+            # The aux rows' k/v are never written: a KV-sharing layer only reads its target's cache.
+            aux_output = self.aux_attn(q[num_primary:], k[num_primary:], v[num_primary:])
+            output = torch.cat([output, aux_output])
+        output, _ = self.o_proj(output)
+        return output
+
+
+class DualFlowCoupling(nn.Module):
+    """c_l: the aux flow adds c_l * h_l, the primary state entering the layer at the same position."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+
+class DualFlowDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, cache_config, quant_config, prefix: str = ""):
+        super().__init__()
+        self.self_attn = DualFlowAttention(config, cache_config, quant_config, prefix=f"{prefix}.self_attn")
+        if config.is_moe_layer(layer_idx):
+            self.mlp = DualFlowSparseMoeBlock(config, quant_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = DualFlowMLP(config, config.intermediate_size, quant_config, prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.aux_coupling = DualFlowCoupling(config.hidden_size)
+
+    def forward(self, positions, hidden_states, aux_rows: torch.Tensor | None, num_primary: int) -> torch.Tensor:
+        # hidden_states: (T + P, hidden) = [primary rows; aux rows]; aux row i sits at primary row aux_rows[i]
+        if aux_rows is not None:
+            coupled = self.aux_coupling.weight * hidden_states[aux_rows]
+            hidden_states = torch.cat([hidden_states[:num_primary], hidden_states[num_primary:] + coupled])
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary)
+        hidden_states = hidden_states + attn_out
+        normed = self.post_attention_layernorm(hidden_states)
+        if isinstance(self.mlp, DualFlowSparseMoeBlock):
+            return hidden_states + self.mlp(normed, num_primary)
+        return hidden_states + self.mlp(normed)
+
+
+class DualFlowModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
+        self.use_aux_flow = config.use_aux_flow
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            DualFlowDecoderLayer(config, i, cache_config, quant_config, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.use_aux_flow:
+            self.aux_embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=f"{prefix}.aux_embed_tokens"
+            )
+            # Built after every primary attention layer: vLLM hands its fast-prefill (sampled rows only) metadata to
+            # the trailing run of KV-sharing layers in construction order.
+            self.aux_attn = nn.ModuleList()
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                aux_attn = Attention(
+                    attn.num_heads,
+                    attn.head_dim,
+                    attn.head_dim**-0.5,
+                    num_kv_heads=attn.num_kv_heads,
+                    cache_config=cache_config,
+                    quant_config=quant_config,
+                    per_layer_sliding_window=config.sliding_window,
+                    prefix=f"{prefix}.aux_attn.{i}",
+                    kv_sharing_target_layer_name=attn.attn.layer_name,
+                )
+                self.aux_attn.append(aux_attn)
+                attn.aux_attn = aux_attn
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def sampled_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """Rows of this step's tokens whose logits vLLM samples from, as the aux attention metadata sees them."""
+        metadata = get_forward_context().attn_metadata
+        aux_metadata = metadata.get(self.aux_attn[0].layer_name) if isinstance(metadata, dict) else None
+        indices = getattr(aux_metadata, "logits_indices_padded", None)
+        # Not armed (dummy / profiling runs) or a pure-decode step: the aux metadata covers every row.
+        if indices is None or aux_metadata.num_actual_tokens == num_tokens:
+            return torch.arange(num_tokens, device=device)
+        return indices.long()
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        num_primary = hidden_states.shape[0]
+        aux_rows = None
+        if self.use_aux_flow:
+            if input_ids is None:
+                raise ValueError("The Dual-Flow aux flow embeds token ids with its own table: inputs_embeds need use_aux_flow=False")
+            aux_rows = self.sampled_rows(num_primary, hidden_states.device)
+            hidden_states = torch.cat([hidden_states, self.aux_embed_tokens(input_ids[aux_rows])])
+            positions = torch.cat([positions, positions[aux_rows]])
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states, aux_rows, num_primary)
+        hidden_states = self.norm(hidden_states)
+        if aux_rows is None:
+            return hidden_states
+        # The sampled rows predict with the aux flow; every other row keeps the primary prediction.
+        return hidden_states[:num_primary].index_copy(0, aux_rows, hidden_states[num_primary:])
+
+class DualFlowForCausalLM(nn.Module):
+    # HF names -> vLLM's stacked linears; fused (`experts.gate_up_proj`) and per-expert expert weights go to FusedMoE.
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
+            ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+            ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+            ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+            ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+        }
+    )
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_supported(config, vllm_config)
+        self.config = config
+        self.model = DualFlowModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # A primary-only engine does not build the aux embedding.
+        unused = [] if self.config.use_aux_flow else ["model.aux_embed_tokens."]
+        loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=unused)
+        return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)
