@@ -20,11 +20,15 @@ def check_supported(config, vllm_config) -> None:
 
 class DualFlowEngineConfig(VerifyAndUpdateConfig):
     """
-    Turns on vLLM's KV-sharing fast prefill when the aux flow runs: the aux attention layers (KV-sharing layers
-    built after all primary ones) then get metadata for the sampled rows only, so prefill costs the base model.
+    vLLM calls this while it builds the engine configuration (in the calling process, after `hf_overrides`): refuse
+    what the model cannot serve before any engine process starts, and turn on vLLM's KV-sharing fast prefill when the
+    aux flow runs. The aux attention layers (KV-sharing layers built after all primary ones) then get attention
+    metadata for the sampled rows only, so prefill costs the base model plus one aux row per request.
     """
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
-        if getattr(vllm_config.model_config.hf_config, "use_aux_flow", False):
+        config = vllm_config.model_config.hf_config
+        check_supported(config, vllm_config)
+        if config.use_aux_flow:
             vllm_config.cache_config.kv_sharing_fast_prefill = True

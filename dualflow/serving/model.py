@@ -38,8 +38,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
-from .engine_config import check_supported
-
 
 class DualFlowMLP(nn.Module):
     """Dense SwiGLU MLP (dense layers and the Qwen2-MoE shared expert)."""
@@ -331,7 +329,6 @@ class DualFlowForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        check_supported(config, vllm_config)
         self.config = config
         self.model = DualFlowModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))

@@ -1,0 +1,49 @@
+"""`hf_overrides={"aux_num_experts_per_tok": k}` changes k_a without reconverting; under speculative decoding every
+verified position is a sampled row, so the aux flow predicts there too and greedy output stays transformers'."""
+
+import gc
+
+import pytest
+from vllm import LLM, SamplingParams
+from vllm_reference import AUX_TOP_K, hf_greedy, load_reference
+
+
+MAX_NEW = 12
+OVERRIDDEN_TOP_K = 3  # not a multiple of k_p = 2: exercises the zero-weight padding slots
+# Repetitive prompts, so that n-gram speculation proposes drafts.
+PROMPTS = [[7, 8, 9, 10] * 5, [20, 21, 22] * 9 + [20, 21]]
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        block_size=32,
+        hf_overrides={"aux_num_experts_per_tok": OVERRIDDEN_TOP_K},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        seed=0,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def test_overridden_aux_top_k_with_speculative_decoding(engine, checkpoint):
+    assert engine.llm_engine.vllm_config.model_config.hf_config.aux_num_experts_per_tok == OVERRIDDEN_TOP_K
+    reference = load_reference(checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    served = [list(output.outputs[0].token_ids) for output in outputs]
+    expected = [hf_greedy(reference, p, MAX_NEW, aux_num_experts_per_tok=OVERRIDDEN_TOP_K)[0] for p in PROMPTS]
+    assert served == expected
+    assert expected != [hf_greedy(reference, p, MAX_NEW, aux_num_experts_per_tok=AUX_TOP_K)[0] for p in PROMPTS]
+
+
+def test_bad_aux_top_k_is_refused_before_the_engine_starts(checkpoint):
+    with pytest.raises(ValueError, match=r"aux_num_experts_per_tok must be in \[1, num_experts=8\], got 9"):
+        LLM(model=str(checkpoint), dtype="float32", max_model_len=256, hf_overrides={"aux_num_experts_per_tok": 9})

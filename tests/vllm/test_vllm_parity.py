@@ -1,0 +1,84 @@
+"""vLLM serves a converted, aux-perturbed Dual-Flow checkpoint with transformers' greedy tokens and log-probabilities
+(aux flow on, k_a = 4 != k_p = 2), with prefix caching and chunked prefill on."""
+
+import gc
+
+import pytest
+from vllm import LLM, SamplingParams
+from vllm_reference import AUX_TOP_K, hf_greedy, load_reference, random_prompts
+
+
+MAX_NEW = 8
+LOGPROB_TOLERANCE = 1e-3
+TOKEN_BUDGET = 48  # max_num_batched_tokens: longer prompts (and batches) are prefilled in chunks
+PROMPTS = random_prompts([3, 17, 40, 29])
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    # No model-specific flags: the plugin registers the architecture and the config class.
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=TOKEN_BUDGET,
+        block_size=32,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        seed=0,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return load_reference(checkpoint)
+
+
+def assert_matches_transformers(outputs, prompts, reference, **generate_kwargs):
+    for prompt, output in zip(prompts, outputs):
+        tokens, logprobs = hf_greedy(reference, prompt, MAX_NEW, **generate_kwargs)
+        completion = output.outputs[0]
+        assert list(completion.token_ids) == tokens, f"prompt of length {len(prompt)}"
+        served = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= LOGPROB_TOLERANCE
+
+
+def test_checkpoint_aux_flow_differs_from_primary(checkpoint, reference):
+    assert reference.config.aux_num_experts_per_tok == AUX_TOP_K != reference.config.num_experts_per_tok
+    aux = [hf_greedy(reference, p, MAX_NEW)[0] for p in PROMPTS]
+    primary = [hf_greedy(reference, p, MAX_NEW, use_aux_flow=False)[0] for p in PROMPTS]
+    assert aux != primary
+
+
+def test_engine_uses_fast_prefill_for_the_aux_flow(engine):
+    config = engine.llm_engine.vllm_config
+    assert config.model_config.architecture == "DualFlowForCausalLM"
+    assert config.cache_config.kv_sharing_fast_prefill
+    assert config.cache_config.enable_prefix_caching and config.scheduler_config.enable_chunked_prefill
+
+
+def test_greedy_batch_matches_transformers(engine, reference):
+    outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert_matches_transformers(outputs, PROMPTS, reference)
+
+
+def test_chunked_prefill_of_a_long_prompt(engine, reference):
+    prompt = random_prompts([3 * TOKEN_BUDGET + 5], seed=1)
+    outputs = engine.generate([{"prompt_token_ids": prompt[0]}], GREEDY, use_tqdm=False)
+    assert_matches_transformers(outputs, prompt, reference)
+
+
+def test_prefix_cache_hits_match_transformers(engine, reference):
+    prefix = random_prompts([70], seed=2)[0]
+    first = [prefix + [7]]
+    later = [prefix + [9, 11], prefix + [13, 15, 17]]
+    engine.generate([{"prompt_token_ids": p} for p in first], GREEDY, use_tqdm=False)
+    outputs = engine.generate([{"prompt_token_ids": p} for p in later], GREEDY, use_tqdm=False)
+    assert all(output.num_cached_tokens >= 64 for output in outputs)  # two full 32-token blocks of the prefix
+    assert_matches_transformers(outputs, later, reference)

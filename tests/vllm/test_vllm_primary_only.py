@@ -1,0 +1,56 @@
+"""`hf_overrides={"use_aux_flow": False}` serves the primary flow alone: the base model, token for token, and the
+only Dual-Flow engine whose prompt logprobs vLLM allows (with the aux flow on, vLLM's fast prefill refuses them)."""
+
+import gc
+
+import pytest
+import torch
+from transformers import Qwen3MoeForCausalLM
+from vllm import LLM, SamplingParams
+from vllm_reference import hf_greedy, load_reference, random_prompts
+
+
+MAX_NEW = 8
+PROMPTS = random_prompts([5, 33, 21])
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    llm = LLM(
+        model=str(checkpoint),
+        dtype="float32",
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=48,
+        block_size=32,
+        hf_overrides={"use_aux_flow": False},
+        seed=0,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def test_primary_engine_is_the_base_model(engine, checkpoint):
+    assert not engine.llm_engine.vllm_config.cache_config.kv_sharing_fast_prefill
+    source = Qwen3MoeForCausalLM.from_pretrained(checkpoint.parent / "source", dtype=torch.float32).eval()
+    reference = load_reference(checkpoint)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
+    outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        tokens, logprobs = hf_greedy(reference, prompt, MAX_NEW, use_aux_flow=False)
+        assert list(output.outputs[0].token_ids) == tokens == hf_greedy(source, prompt, MAX_NEW)[0]
+        served = [step[t].logprob for step, t in zip(output.outputs[0].logprobs, tokens)]
+        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= 1e-3
+
+
+@torch.no_grad()
+def test_prompt_logprobs_are_the_base_models(engine, checkpoint):
+    prompt = random_prompts([20], seed=3)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    output = engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    served = [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], prompt[1:])]
+    logits = load_reference(checkpoint)(torch.tensor([prompt]), use_aux_flow=False).logits[0]
+    expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(prompt) - 1), prompt[1:]].tolist()
+    assert max(abs(a - b) for a, b in zip(served, expected)) <= 1e-3

@@ -1,0 +1,89 @@
+"""A converted Dual-Flow checkpoint whose aux flow really differs from its primary flow, and transformers references."""
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from dualflow.convert import convert_checkpoint
+from modeling_dualflow import DualFlowForCausalLM
+
+
+VOCAB = ["<unk>", "<s>", "</s>", "system", "user", "assistant"] + [f"w{i}" for i in range(6, 128)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+# Qwen3-MoE source: k_p = 2 of 8 experts, head_dim 32 (the CPU attention kernels' smallest head size).
+SOURCE = dict(
+    vocab_size=len(VOCAB),
+    hidden_size=128,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+AUX_TOP_K = 4
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over VOCAB with a chat template, built offline."""
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(VOCAB)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<unk>", chat_template=CHAT_TEMPLATE
+    )
+
+
+@torch.no_grad()
+def build_checkpoint(root: Path) -> Path:
+    """Source Qwen3-MoE -> `dualflow convert` (k_a = 4 != k_p = 2) -> aux embedding and couplings perturbed."""
+    torch.manual_seed(0)
+    source = Qwen3MoeForCausalLM(Qwen3MoeConfig(**SOURCE)).eval()
+    source.save_pretrained(root / "source")
+    convert_checkpoint(root / "source", root / "converted", aux_top_k=AUX_TOP_K, show_progress=False)
+    model = DualFlowForCausalLM.from_pretrained(root / "converted").eval()
+    generator = torch.Generator().manual_seed(1)
+    aux_embed = model.model.aux_embed_tokens.weight
+    aux_embed.add_(0.5 * aux_embed.std() * torch.randn(aux_embed.shape, generator=generator))
+    for layer in model.model.layers:
+        layer.aux_coupling.weight.copy_(0.3 * torch.randn(layer.aux_coupling.weight.shape, generator=generator))
+    folder = root / "dualflow"
+    model.save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def load_reference(folder: Path) -> DualFlowForCausalLM:
+    return DualFlowForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and each chosen token's log-probability (raw logits, as vLLM reports them)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].double(), -1)[token].item() for step, token in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    # ids >= 6: plain words, so the same ids round-trip through the tokenizer in the server tests
+    return [torch.randint(6, len(VOCAB), (n,), generator=generator).tolist() for n in lengths]
