@@ -25,6 +25,7 @@ def engine(checkpoint):
         block_size=32,
         hf_overrides={"aux_num_experts_per_tok": OVERRIDDEN_TOP_K},
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        disable_log_stats=False,
         seed=0,
     )
     yield llm
@@ -41,6 +42,8 @@ def test_overridden_aux_top_k_with_speculative_decoding(engine, checkpoint):
     served = [list(output.outputs[0].token_ids) for output in outputs]
     expected = [hf_greedy(reference, p, MAX_NEW, aux_num_experts_per_tok=OVERRIDDEN_TOP_K)[0] for p in PROMPTS]
     assert served == expected
+    accepted = [m.value for m in engine.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"]
+    assert accepted and accepted[0] > 0  # drafts were verified, so several rows per request were sampled
     assert expected != [hf_greedy(reference, p, MAX_NEW, aux_num_experts_per_tok=AUX_TOP_K)[0] for p in PROMPTS]
 
 

