@@ -9,9 +9,10 @@ ARCHITECTURE = "DualFlowForCausalLM"
 
 
 def register() -> None:
-    import modeling_dualflow  # noqa: F401  (registers DualFlowConfig with transformers' AutoConfig)
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    import modeling_dualflow  # noqa: F401  (registers DualFlowConfig with transformers' AutoConfig)
 
     from .engine_config import DualFlowEngineConfig
 

@@ -8,7 +8,9 @@ def check_supported(config, vllm_config) -> None:
     if config.hidden_act != "silu":
         raise ValueError(f"Dual-Flow in vLLM supports hidden_act='silu' only, got {config.hidden_act!r}")
     if config.qk_norm == "full" and vllm_config.parallel_config.tensor_parallel_size > 1:
-        raise ValueError("Dual-Flow in vLLM: qk_norm='full' (OLMoE) needs the whole projection, use tensor_parallel_size=1")
+        raise ValueError(
+            "Dual-Flow in vLLM: qk_norm='full' (OLMoE) needs the whole projection, use tensor_parallel_size=1"
+        )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("Dual-Flow in vLLM does not support pipeline parallelism")
     if config.num_experts and not 1 <= config.aux_num_experts_per_tok <= config.num_experts:

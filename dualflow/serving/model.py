@@ -45,7 +45,11 @@ class DualFlowMLP(nn.Module):
     def __init__(self, config, intermediate_size: int, quant_config, reduce_results: bool = True, prefix: str = ""):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+            config.hidden_size,
+            [intermediate_size] * 2,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
         )
         self.down_proj = RowParallelLinear(
             intermediate_size,
@@ -251,7 +255,9 @@ class DualFlowModel(nn.Module):
         config = vllm_config.model_config.hf_config
         cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
         self.use_aux_flow = config.use_aux_flow
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
         self.layers = nn.ModuleList(
             DualFlowDecoderLayer(config, i, cache_config, quant_config, prefix=f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers)
@@ -299,7 +305,9 @@ class DualFlowModel(nn.Module):
         aux_rows = None
         if self.use_aux_flow:
             if input_ids is None:
-                raise ValueError("The Dual-Flow aux flow embeds token ids with its own table: inputs_embeds need use_aux_flow=False")
+                raise ValueError(
+                    "The Dual-Flow aux flow embeds token ids with its own table: inputs_embeds need use_aux_flow=False"
+                )
             aux_rows = self.sampled_rows(num_primary, hidden_states.device)
             hidden_states = torch.cat([hidden_states, self.aux_embed_tokens(input_ids[aux_rows])])
             positions = torch.cat([positions, positions[aux_rows]])
@@ -310,6 +318,7 @@ class DualFlowModel(nn.Module):
             return hidden_states
         # The sampled rows predict with the aux flow; every other row keeps the primary prediction.
         return hidden_states[:num_primary].index_copy(0, aux_rows, hidden_states[num_primary:])
+
 
 class DualFlowForCausalLM(nn.Module):
     # HF names -> vLLM's stacked linears; fused (`experts.gate_up_proj`) and per-expert expert weights go to FusedMoE.

@@ -12,4 +12,7 @@ def test_entry_point_registers_the_model():
 
 def test_importing_the_package_does_not_import_vllm():
     code = "import sys, dualflow, dualflow.serving, modeling_dualflow; print('vllm' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
