@@ -1,0 +1,182 @@
+"""Dual-Flow in vLLM: what the aux flow costs, and vLLM against transformers' generate (issue 10).
+
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py                 # CPU: small Mixtral-like model, float32
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py --preset gpu    # GPU: Mixtral-8x7B layer shapes, bfloat16
+
+One random checkpoint (saved once), three vLLM engines over it: the primary flow alone (`use_aux_flow=False`, the
+base model), the aux flow with k_a = k_p, and with k_a = 2 k_p. Each round measures every engine on the same fresh
+random prompts (prefix caching off, so no engine reuses another round's prompts), in an order rotated every round;
+the table gives per-arm medians and the median of the per-round ratios with its standard error.
+    prefill: tokens/s of prompts of --prefill-lengths tokens, 1 generated token;
+    decode: generated tokens/s for --decode-batches requests of --decode-prompt tokens, --decode-tokens each (wall
+        time of the whole requests: the short prompts' prefill is in it, the same for every arm);
+    transformers: `generate` with the aux flow on (k_a = k_p), same prompts, one batch, against vLLM's aux engine.
+"""
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
+
+
+PRESETS = {
+    # Mixtral's per-layer shapes (hidden 4096, 32/8 heads, 8 experts of 14336, top-2), fewer layers.
+    "gpu": dict(hidden=4096, heads=32, kv_heads=8, experts=8, expert_size=14336, layers=8, vocab=32000, dtype="bfloat16"),
+    # The same proportions at a size two CPU cores measure in minutes.
+    "cpu": dict(hidden=512, heads=8, kv_heads=2, experts=8, expert_size=1792, layers=4, vocab=32000, dtype="float32"),
+}
+TOP_K = 2
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=list(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--prefill-requests", type=int, default=2, help="prompts per prefill measurement")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--decode-prompt", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile in vLLM")
+    return parser.parse_args()
+
+
+def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
+    torch.manual_seed(0)
+    config = DualFlowConfig(
+        vocab_size=preset["vocab"],
+        hidden_size=preset["hidden"],
+        intermediate_size=preset["expert_size"],
+        moe_intermediate_size=preset["expert_size"],
+        num_hidden_layers=preset["layers"],
+        num_attention_heads=preset["heads"],
+        num_key_value_heads=preset["kv_heads"],
+        num_experts=preset["experts"],
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    model = DualFlowForCausalLM(config).to(getattr(torch, preset["dtype"])).eval()
+    with torch.no_grad():  # an aux flow that differs from the primary one, as after fine-tuning
+        for layer in model.model.layers:
+            layer.aux_coupling.weight.normal_(std=0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def summarize(name: str, rates: dict, baseline: str, arms: list[str]) -> list[str]:
+    """Rows: per-arm median rate, and the median per-round ratio to `baseline` with its standard error."""
+    rows = []
+    for arm in arms:
+        median = statistics.median(rates[arm])
+        if arm == baseline:
+            rows.append(f"| {name} | {arm} | {median:,.0f} | 1 (baseline) |")
+            continue
+        logs = [math.log(a / b) for a, b in zip(rates[arm], rates[baseline])]
+        ratio = math.exp(statistics.median(logs))
+        stderr = ratio * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+        rows.append(f"| {name} | {arm} | {median:,.0f} | {ratio:.3f} ± {stderr:.3f} |")
+    return rows
+
+
+def main():
+    args = parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    preset = PRESETS[args.preset]
+    folder = Path(tempfile.mkdtemp(prefix="dualflow-vllm-bench-"))
+    hf_model = save_random_checkpoint(preset, folder)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf_model.to(device)
+    longest = max(args.prefill_lengths + [args.decode_prompt + args.decode_tokens])
+    engine_args = dict(
+        model=str(folder),
+        dtype=preset["dtype"],
+        max_model_len=longest + 16,
+        max_num_batched_tokens=max(longest + 16, 2048),
+        enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
+        skip_tokenizer_init=True,
+        seed=0,
+    )
+    overrides = {
+        "primary only": {"use_aux_flow": False},
+        "aux k_a=k_p": {"aux_num_experts_per_tok": TOP_K},
+        "aux k_a=2k_p": {"aux_num_experts_per_tok": 2 * TOP_K},
+    }
+    engines = {arm: LLM(hf_overrides=override, **engine_args) for arm, override in overrides.items()}
+    arms = list(engines)
+    generator = torch.Generator().manual_seed(1)
+
+    def prompts(count, length):
+        return torch.randint(0, preset["vocab"], (count, length), generator=generator).tolist()
+
+    def run_vllm(engine, batch, max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+
+    def run_hf(batch, max_tokens):
+        ids = torch.tensor(batch, device=device)
+        hf_model.generate(ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+
+    for engine in engines.values():  # warm-up
+        run_vllm(engine, prompts(1, 64), 4)
+    run_hf(prompts(1, 16), 2)
+
+    prefill = {n: {arm: [] for arm in arms} for n in args.prefill_lengths}
+    decode = {b: {arm: [] for arm in arms + ["transformers generate"]} for b in args.decode_batches}
+    for round_index in range(args.rounds):
+        order = arms[round_index % len(arms) :] + arms[: round_index % len(arms)]
+        for length in args.prefill_lengths:
+            batch = prompts(args.prefill_requests, length)
+            for arm in order:
+                seconds = timed(lambda: run_vllm(engines[arm], batch, 1))
+                prefill[length][arm].append(len(batch) * length / seconds)
+        for size in args.decode_batches:
+            batch = prompts(size, args.decode_prompt)
+            new_tokens = size * args.decode_tokens
+            for arm in order:
+                seconds = timed(lambda: run_vllm(engines[arm], batch, args.decode_tokens))
+                decode[size][arm].append(new_tokens / seconds)
+            seconds = timed(lambda: run_hf(batch, args.decode_tokens))
+            decode[size]["transformers generate"].append(new_tokens / seconds)
+        print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+
+    name = "GPU" if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(
+        f"\n{args.preset} preset on {name}: hidden {preset['hidden']}, {preset['layers']} layers, "
+        f"{preset['experts']} experts of {preset['expert_size']}, k_p={TOP_K}, {preset['dtype']}; "
+        f"{args.rounds} interleaved rounds, medians\n"
+    )
+    print("| measurement | arm | tokens/s | ratio to baseline |")
+    print("| --- | --- | ---: | ---: |")
+    for length in args.prefill_lengths:
+        label = f"prefill, prompt {length} x {args.prefill_requests}"
+        print("\n".join(summarize(label, prefill[length], "primary only", arms)))
+    for size in args.decode_batches:
+        label = f"decode, batch {size}"
+        print("\n".join(summarize(label, decode[size], "primary only", arms)))
+        vs_hf = {"transformers generate": decode[size]["transformers generate"], "vLLM": decode[size]["aux k_a=k_p"]}
+        print("\n".join(summarize(f"decode, batch {size}, aux k_a=k_p", vs_hf, "transformers generate", list(vs_hf))[1:]))
+    for engine in engines.values():
+        engine.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()
