@@ -29,7 +29,9 @@ from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 
 PRESETS = {
     # Mixtral's per-layer shapes (hidden 4096, 32/8 heads, 8 experts of 14336, top-2), fewer layers.
-    "gpu": dict(hidden=4096, heads=32, kv_heads=8, experts=8, expert_size=14336, layers=8, vocab=32000, dtype="bfloat16"),
+    "gpu": dict(
+        hidden=4096, heads=32, kv_heads=8, experts=8, expert_size=14336, layers=8, vocab=32000, dtype="bfloat16"
+    ),
     # The same proportions at a size two CPU cores measure in minutes.
     "cpu": dict(hidden=512, heads=8, kv_heads=2, experts=8, expert_size=1792, layers=4, vocab=32000, dtype="float32"),
 }
@@ -72,9 +74,9 @@ def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
     return model
 
 
-def timed(fn) -> float:
+def timed(fn, *args) -> float:
     start = time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - start
 
 
@@ -145,15 +147,15 @@ def main():
         for length in args.prefill_lengths:
             batch = prompts(args.prefill_requests, length)
             for arm in order:
-                seconds = timed(lambda: run_vllm(engines[arm], batch, 1))
+                seconds = timed(run_vllm, engines[arm], batch, 1)
                 prefill[length][arm].append(len(batch) * length / seconds)
         for size in args.decode_batches:
             batch = prompts(size, args.decode_prompt)
             new_tokens = size * args.decode_tokens
             for arm in order:
-                seconds = timed(lambda: run_vllm(engines[arm], batch, args.decode_tokens))
+                seconds = timed(run_vllm, engines[arm], batch, args.decode_tokens)
                 decode[size][arm].append(new_tokens / seconds)
-            seconds = timed(lambda: run_hf(batch, args.decode_tokens))
+            seconds = timed(run_hf, batch, args.decode_tokens)
             decode[size]["transformers generate"].append(new_tokens / seconds)
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
 
@@ -172,7 +174,9 @@ def main():
         label = f"decode, batch {size}"
         print("\n".join(summarize(label, decode[size], "primary only", arms)))
         vs_hf = {"transformers generate": decode[size]["transformers generate"], "vLLM": decode[size]["aux k_a=k_p"]}
-        print("\n".join(summarize(f"decode, batch {size}, aux k_a=k_p", vs_hf, "transformers generate", list(vs_hf))[1:]))
+        print(
+            "\n".join(summarize(f"decode, batch {size}, aux k_a=k_p", vs_hf, "transformers generate", list(vs_hf))[1:])
+        )
     for engine in engines.values():
         engine.llm_engine.engine_core.shutdown()
     gc.collect()

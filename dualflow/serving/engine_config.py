@@ -13,6 +13,15 @@ def check_supported(config, vllm_config) -> None:
         )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("Dual-Flow in vLLM does not support pipeline parallelism")
+    # Later model extensions this class does not implement: refuse rather than serve a different model.
+    if getattr(config, "aux_num_rounds", 1) != 1:
+        raise ValueError(
+            f"Dual-Flow in vLLM runs one aux round; this checkpoint has aux_num_rounds={config.aux_num_rounds}"
+        )
+    if getattr(config, "aux_adapter_rank", 0):
+        raise ValueError(
+            f"Dual-Flow in vLLM has no aux adapters; this checkpoint has aux_adapter_rank={config.aux_adapter_rank}"
+        )
     if config.num_experts and not 1 <= config.aux_num_experts_per_tok <= config.num_experts:
         raise ValueError(
             f"aux_num_experts_per_tok must be in [1, num_experts={config.num_experts}], "

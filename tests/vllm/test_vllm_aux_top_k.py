@@ -50,3 +50,13 @@ def test_overridden_aux_top_k_with_speculative_decoding(engine, checkpoint):
 def test_bad_aux_top_k_is_refused_before_the_engine_starts(checkpoint):
     with pytest.raises(ValueError, match=r"aux_num_experts_per_tok must be in \[1, num_experts=8\], got 9"):
         LLM(model=str(checkpoint), dtype="float32", max_model_len=256, hf_overrides={"aux_num_experts_per_tok": 9})
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [({"aux_num_rounds": 2}, "runs one aux round"), ({"aux_adapter_rank": 4}, "has no aux adapters")],
+)
+def test_checkpoints_of_unimplemented_extensions_are_refused(checkpoint, override, message):
+    # Issues 13 / 14 (several aux rounds, aux adapters): this model class would serve a different model.
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(checkpoint), dtype="float32", max_model_len=256, hf_overrides=override)
