@@ -110,8 +110,8 @@ class DualFlowSparseMoeBlock(nn.Module):
     def route(self, hidden_states, gating_output, topk, renormalize):
         num_primary, num_aux, chunks = self.rows
         probs = F.softmax(gating_output, dim=-1, dtype=torch.float32)
-        weights, ids = self._select(probs[: num_primary + num_aux], topk)
-        if num_aux == 0 or self.aux_top_k == self.top_k:
+        weights, ids = self._select(probs, topk)  # every row as the primary flow routes it
+        if num_aux == 0 or self.aux_top_k == topk:
             return weights, ids
         weights_a, ids_a = self._select(probs[num_primary : num_primary + num_aux], self.aux_top_k)
         padding = chunks * topk - self.aux_top_k
@@ -121,7 +121,10 @@ class DualFlowSparseMoeBlock(nn.Module):
         # (aux, chunks * k_p) -> chunk-major rows matching [aux rows; copy 1; copy 2; ...]
         weights_a = weights_a.view(num_aux, chunks, topk).transpose(0, 1).reshape(-1, topk)
         ids_a = ids_a.view(num_aux, chunks, topk).transpose(0, 1).reshape(-1, topk)
-        return torch.cat([weights[:num_primary], weights_a]), torch.cat([ids[:num_primary], ids_a])
+        end = num_primary + chunks * num_aux  # rows past it: padding the MoE layer may add
+        return torch.cat([weights[:num_primary], weights_a, weights[end:]]), torch.cat(
+            [ids[:num_primary], ids_a, ids[end:]]
+        )
 
     def forward(self, hidden_states: torch.Tensor, num_primary: int) -> torch.Tensor:
         num_aux = hidden_states.shape[0] - num_primary
