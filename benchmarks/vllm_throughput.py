@@ -174,9 +174,7 @@ def main():
         label = f"decode, batch {size}"
         print("\n".join(summarize(label, decode[size], "primary only", arms)))
         vs_hf = {"transformers generate": decode[size]["transformers generate"], "vLLM": decode[size]["aux k_a=k_p"]}
-        print(
-            "\n".join(summarize(f"decode, batch {size}, aux k_a=k_p", vs_hf, "transformers generate", list(vs_hf))[1:])
-        )
+        print("\n".join(summarize(f"decode, batch {size}, aux k_a=k_p", vs_hf, "transformers generate", list(vs_hf))))
     for engine in engines.values():
         engine.llm_engine.engine_core.shutdown()
     gc.collect()
