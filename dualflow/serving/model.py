@@ -146,7 +146,7 @@ class DualFlowSparseMoeBlock(nn.Module):
 
 class DualFlowAttention(nn.Module):
     """q/k/v and o projections over [primary; aux] rows; the primary rows attend and fill the cache, the aux rows
-    attend through `aux_attn` (set by the model), which reads the same cache."""
+    attend through `aux_attn` (built by the model), which reads the same cache."""
 
     def __init__(self, config, cache_config, quant_config, prefix: str = ""):
         super().__init__()
@@ -183,17 +183,19 @@ class DualFlowAttention(nn.Module):
         self.rotary_emb = get_rope(
             self.head_dim, max_position=config.max_position_embeddings, rope_parameters=config.rope_parameters
         )
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
+        self.attention_args = dict(
             num_kv_heads=self.num_kv_heads,
             cache_config=cache_config,
             quant_config=quant_config,
             per_layer_sliding_window=config.sliding_window,
-            prefix=f"{prefix}.attn",
         )
-        self.aux_attn: Attention | None = None
+        self.attn = self.paged_attention(f"{prefix}.attn")
+
+    def paged_attention(self, prefix: str, **kwargs) -> Attention:
+        """vLLM's attention over the paged KV cache with this layer's heads (kwargs: e.g. KV sharing)."""
+        return Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, prefix=prefix, **self.attention_args, **kwargs
+        )
 
     def _norm(self, states: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         if self.qk_norm == "full":
@@ -201,7 +203,7 @@ class DualFlowAttention(nn.Module):
         by_head = states.view(*states.shape[:-1], -1, self.head_dim)
         return norm(by_head).view(states.shape)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, num_primary: int) -> torch.Tensor:
+    def forward(self, positions, hidden_states, num_primary: int, aux_attn: Attention | None) -> torch.Tensor:
         # hidden_states: (T + P, hidden), normed; positions: (T + P,)
         qkv, _ = self.qkv_proj(hidden_states)
         if self.clip_qkv is not None:
@@ -213,7 +215,7 @@ class DualFlowAttention(nn.Module):
         output = self.attn(q[:num_primary], k[:num_primary], v[:num_primary])
         if hidden_states.shape[0] > num_primary:
             # The aux rows' k/v are never written: a KV-sharing layer only reads its target's cache.
-            aux_output = self.aux_attn(q[num_primary:], k[num_primary:], v[num_primary:])
+            aux_output = aux_attn(q[num_primary:], k[num_primary:], v[num_primary:])
             output = torch.cat([output, aux_output])
         output, _ = self.o_proj(output)
         return output
@@ -239,12 +241,12 @@ class DualFlowDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.aux_coupling = DualFlowCoupling(config.hidden_size)
 
-    def forward(self, positions, hidden_states, aux_rows: torch.Tensor | None, num_primary: int) -> torch.Tensor:
+    def forward(self, positions, hidden_states, aux_rows, num_primary: int, aux_attn) -> torch.Tensor:
         # hidden_states: (T + P, hidden) = [primary rows; aux rows]; aux row i sits at primary row aux_rows[i]
         if aux_rows is not None:
             coupled = self.aux_coupling.weight * hidden_states[aux_rows]
             hidden_states = torch.cat([hidden_states[:num_primary], hidden_states[num_primary:] + coupled])
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary)
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary, aux_attn)
         hidden_states = hidden_states + attn_out
         normed = self.post_attention_layernorm(hidden_states)
         if isinstance(self.mlp, DualFlowSparseMoeBlock):
@@ -272,22 +274,12 @@ class DualFlowModel(nn.Module):
             )
             # Built after every primary attention layer: vLLM hands its fast-prefill (sampled rows only) metadata to
             # the trailing run of KV-sharing layers in construction order.
-            self.aux_attn = nn.ModuleList()
-            for i, layer in enumerate(self.layers):
-                attn = layer.self_attn
-                aux_attn = Attention(
-                    attn.num_heads,
-                    attn.head_dim,
-                    attn.head_dim**-0.5,
-                    num_kv_heads=attn.num_kv_heads,
-                    cache_config=cache_config,
-                    quant_config=quant_config,
-                    per_layer_sliding_window=config.sliding_window,
-                    prefix=f"{prefix}.aux_attn.{i}",
-                    kv_sharing_target_layer_name=attn.attn.layer_name,
+            self.aux_attn = nn.ModuleList(
+                layer.self_attn.paged_attention(
+                    f"{prefix}.aux_attn.{i}", kv_sharing_target_layer_name=layer.self_attn.attn.layer_name
                 )
-                self.aux_attn.append(aux_attn)
-                attn.aux_attn = aux_attn
+                for i, layer in enumerate(self.layers)
+            )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -314,8 +306,9 @@ class DualFlowModel(nn.Module):
             aux_rows = self.sampled_rows(num_primary, hidden_states.device)
             hidden_states = torch.cat([hidden_states, self.aux_embed_tokens(input_ids[aux_rows])])
             positions = torch.cat([positions, positions[aux_rows]])
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states, aux_rows, num_primary)
+        aux_attns = self.aux_attn if aux_rows is not None else [None] * len(self.layers)
+        for layer, aux_attn in zip(self.layers, aux_attns):
+            hidden_states = layer(positions, hidden_states, aux_rows, num_primary, aux_attn)
         hidden_states = self.norm(hidden_states)
         if aux_rows is None:
             return hidden_states

@@ -1,11 +1,9 @@
 """`hf_overrides={"aux_num_experts_per_tok": k}` changes k_a without reconverting; under speculative decoding every
 verified position is a sampled row, so the aux flow predicts there too and greedy output stays transformers'."""
 
-import gc
-
 import pytest
-from vllm import LLM, SamplingParams
-from vllm_reference import AUX_TOP_K, hf_greedy, load_reference
+from vllm import SamplingParams
+from vllm_reference import AUX_TOP_K, hf_greedy, load_reference, running_engine
 
 
 MAX_NEW = 12
@@ -16,22 +14,14 @@ PROMPTS = [[7, 8, 9, 10] * 5, [20, 21, 22] * 9 + [20, 21]]
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    llm = LLM(
-        model=str(checkpoint),
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
+    with running_engine(
+        checkpoint,
         max_num_batched_tokens=64,
-        block_size=32,
         hf_overrides={"aux_num_experts_per_tok": OVERRIDDEN_TOP_K},
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
         disable_log_stats=False,
-        seed=0,
-    )
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    ) as llm:
+        yield llm
 
 
 def test_overridden_aux_top_k_with_speculative_decoding(engine, checkpoint):
@@ -48,8 +38,12 @@ def test_overridden_aux_top_k_with_speculative_decoding(engine, checkpoint):
 
 
 def test_bad_aux_top_k_is_refused_before_the_engine_starts(checkpoint):
-    with pytest.raises(ValueError, match=r"aux_num_experts_per_tok must be in \[1, num_experts=8\], got 9"):
-        LLM(model=str(checkpoint), dtype="float32", max_model_len=256, hf_overrides={"aux_num_experts_per_tok": 9})
+    message = r"aux_num_experts_per_tok must be in \[1, num_experts=8\], got 9"
+    with (
+        pytest.raises(ValueError, match=message),
+        running_engine(checkpoint, hf_overrides={"aux_num_experts_per_tok": 9}),
+    ):
+        pass
 
 
 @pytest.mark.parametrize(
@@ -58,5 +52,5 @@ def test_bad_aux_top_k_is_refused_before_the_engine_starts(checkpoint):
 )
 def test_checkpoints_of_unimplemented_extensions_are_refused(checkpoint, override, message):
     # Issues 13 / 14 (several aux rounds, aux adapters): this model class would serve a different model.
-    with pytest.raises(ValueError, match=message):
-        LLM(model=str(checkpoint), dtype="float32", max_model_len=256, hf_overrides=override)
+    with pytest.raises(ValueError, match=message), running_engine(checkpoint, hf_overrides=override):
+        pass

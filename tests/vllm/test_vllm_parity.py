@@ -1,38 +1,22 @@
 """vLLM serves a converted, aux-perturbed Dual-Flow checkpoint with transformers' greedy tokens and log-probabilities
 (aux flow on, k_a = 4 != k_p = 2), with prefix caching and chunked prefill on."""
 
-import gc
-
 import pytest
-from vllm import LLM, SamplingParams
-from vllm_reference import AUX_TOP_K, hf_greedy, load_reference, random_prompts
+from vllm import SamplingParams
+from vllm_reference import AUX_TOP_K, ENGINE_ARGS, hf_greedy, load_reference, random_prompts, running_engine
 
 
 MAX_NEW = 8
 LOGPROB_TOLERANCE = 1e-3
-TOKEN_BUDGET = 48  # max_num_batched_tokens: longer prompts (and batches) are prefilled in chunks
+TOKEN_BUDGET = ENGINE_ARGS["max_num_batched_tokens"]  # longer prompts (and batches) are prefilled in chunks
 PROMPTS = random_prompts([3, 17, 40, 29])
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    # No model-specific flags: the plugin registers the architecture and the config class.
-    llm = LLM(
-        model=str(checkpoint),
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=TOKEN_BUDGET,
-        block_size=32,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        seed=0,
-    )
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    with running_engine(checkpoint, enable_prefix_caching=True, enable_chunked_prefill=True) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

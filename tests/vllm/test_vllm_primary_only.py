@@ -1,13 +1,11 @@
 """`hf_overrides={"use_aux_flow": False}` serves the primary flow alone: the base model, token for token, and the
 only Dual-Flow engine whose prompt logprobs vLLM allows (with the aux flow on, vLLM's fast prefill refuses them)."""
 
-import gc
-
 import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM
-from vllm import LLM, SamplingParams
-from vllm_reference import hf_greedy, load_reference, random_prompts
+from vllm import SamplingParams
+from vllm_reference import hf_greedy, load_reference, random_prompts, running_engine
 
 
 MAX_NEW = 8
@@ -16,20 +14,8 @@ PROMPTS = random_prompts([5, 33, 21])
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    llm = LLM(
-        model=str(checkpoint),
-        dtype="float32",
-        max_model_len=256,
-        max_num_seqs=4,
-        max_num_batched_tokens=48,
-        block_size=32,
-        hf_overrides={"use_aux_flow": False},
-        seed=0,
-    )
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    with running_engine(checkpoint, hf_overrides={"use_aux_flow": False}) as llm:
+        yield llm
 
 
 def test_primary_engine_is_the_base_model(engine, checkpoint):

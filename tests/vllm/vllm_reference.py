@@ -1,5 +1,6 @@
 """A converted Dual-Flow checkpoint whose aux flow really differs from its primary flow, and transformers references."""
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +34,8 @@ SOURCE = dict(
     pad_token_id=0,
 )
 AUX_TOP_K = 4
+# Small enough for this machine; prompts over 48 tokens (or batches) are prefilled in chunks.
+ENGINE_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48, block_size=32, seed=0)
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
@@ -87,3 +90,15 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     # ids >= 6: plain words, so the same ids round-trip through the tokenizer in the server tests
     return [torch.randint(6, len(VOCAB), (n,), generator=generator).tolist() for n in lengths]
+
+
+@contextmanager
+def running_engine(checkpoint: Path, **engine_args):
+    """A vLLM engine on the checkpoint, with no model-specific flags (the plugin registers the model), shut down after."""
+    from vllm import LLM
+
+    llm = LLM(model=str(checkpoint), **{**ENGINE_ARGS, **engine_args})
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
