@@ -1,6 +1,14 @@
 """What the Dual-Flow vLLM model needs from the engine configuration, and what it refuses."""
 
+from transformers import PreTrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+
+def checkpoint_field(vllm_config, name: str, default):
+    """A field of the checkpoint's own config.json, before `hf_overrides`."""
+    model_config = vllm_config.model_config
+    config_dict, _ = PreTrainedConfig.get_config_dict(model_config.model, revision=model_config.revision)
+    return config_dict.get(name, default)
 
 
 def check_supported(config, vllm_config) -> None:
@@ -13,11 +21,13 @@ def check_supported(config, vllm_config) -> None:
         )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("Dual-Flow in vLLM does not support pipeline parallelism")
-    # Later model extensions this class does not implement: refuse rather than serve a different model.
-    if getattr(config, "aux_num_rounds", 1) != 1:
+    # A round count above the checkpoint's (hf_overrides) would run gates the checkpoint does not have.
+    if config.aux_num_rounds > 1 and checkpoint_field(vllm_config, "aux_num_rounds", 1) == 1:
         raise ValueError(
-            f"Dual-Flow in vLLM runs one aux round; this checkpoint has aux_num_rounds={config.aux_num_rounds}"
+            f"aux_num_rounds={config.aux_num_rounds} needs round gates: this checkpoint has none "
+            "(convert with `dualflow convert --aux-rounds`)"
         )
+    # A model extension this class does not implement (issue 14): refuse rather than serve a different model.
     if getattr(config, "aux_adapter_rank", 0):
         raise ValueError(
             f"Dual-Flow in vLLM has no aux adapters; this checkpoint has aux_adapter_rank={config.aux_adapter_rank}"

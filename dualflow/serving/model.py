@@ -212,17 +212,20 @@ class DualFlowAttention(nn.Module):
         if self.qk_norm is not None:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
-        output = self.attn(q[:num_primary], k[:num_primary], v[:num_primary])
+        outputs = []
+        if num_primary:  # 0 in an extra aux round: the cache already holds this step's primary K/V
+            outputs.append(self.attn(q[:num_primary], k[:num_primary], v[:num_primary]))
         if hidden_states.shape[0] > num_primary:
             # The aux rows' k/v are never written: a KV-sharing layer only reads its target's cache.
-            aux_output = aux_attn(q[num_primary:], k[num_primary:], v[num_primary:])
-            output = torch.cat([output, aux_output])
+            outputs.append(aux_attn(q[num_primary:], k[num_primary:], v[num_primary:]))
+        output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         output, _ = self.o_proj(output)
         return output
 
 
-class DualFlowCoupling(nn.Module):
-    """c_l: the aux flow adds c_l * h_l, the primary state entering the layer at the same position."""
+class DualFlowGain(nn.Module):
+    """A per-channel gain: the coupling c_l (the aux rows add c_l * h_l, the primary state entering the layer at the
+    same position) and, with `aux_num_rounds` > 1, the gate on a layer's update in the extra aux rounds."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -239,19 +242,27 @@ class DualFlowDecoderLayer(nn.Module):
             self.mlp = DualFlowMLP(config, config.intermediate_size, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.aux_coupling = DualFlowCoupling(config.hidden_size)
+        self.aux_coupling = DualFlowGain(config.hidden_size)
+        if config.aux_num_rounds > 1:
+            self.aux_round_gate = DualFlowGain(config.hidden_size)
 
-    def forward(self, positions, hidden_states, aux_rows, num_primary: int, aux_attn) -> torch.Tensor:
-        # hidden_states: (T + P, hidden) = [primary rows; aux rows]; aux row i sits at primary row aux_rows[i]
-        if aux_rows is not None:
-            coupled = self.aux_coupling.weight * hidden_states[aux_rows]
+    def forward(self, positions, hidden_states, num_primary: int, aux_attn, primary_entering, extra_round=False):
+        # hidden_states: (T + P, hidden) = [primary rows; aux rows], or the P aux rows alone in an extra aux round;
+        # primary_entering: (P, hidden), the primary state that entered this layer at the aux rows' positions
+        layer_input = hidden_states
+        if primary_entering is not None:
+            coupled = self.aux_coupling.weight * primary_entering
             hidden_states = torch.cat([hidden_states[:num_primary], hidden_states[num_primary:] + coupled])
         attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary, aux_attn)
         hidden_states = hidden_states + attn_out
         normed = self.post_attention_layernorm(hidden_states)
         if isinstance(self.mlp, DualFlowSparseMoeBlock):
-            return hidden_states + self.mlp(normed, num_primary)
-        return hidden_states + self.mlp(normed)
+            hidden_states = hidden_states + self.mlp(normed, num_primary)
+        else:
+            hidden_states = hidden_states + self.mlp(normed)
+        if extra_round:
+            return layer_input + self.aux_round_gate.weight * (hidden_states - layer_input)
+        return hidden_states
 
 
 class DualFlowModel(nn.Module):
@@ -260,6 +271,7 @@ class DualFlowModel(nn.Module):
         config = vllm_config.model_config.hf_config
         cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
         self.use_aux_flow = config.use_aux_flow
+        self.aux_num_rounds = config.aux_num_rounds
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
         )
@@ -307,8 +319,18 @@ class DualFlowModel(nn.Module):
             hidden_states = torch.cat([hidden_states, self.aux_embed_tokens(input_ids[aux_rows])])
             positions = torch.cat([positions, positions[aux_rows]])
         aux_attns = self.aux_attn if aux_rows is not None else [None] * len(self.layers)
+        entering = []  # per layer, the primary state entering it at the aux rows
         for layer, aux_attn in zip(self.layers, aux_attns):
-            hidden_states = layer(positions, hidden_states, aux_rows, num_primary, aux_attn)
+            entering.append(hidden_states[aux_rows] if aux_rows is not None else None)
+            hidden_states = layer(positions, hidden_states, num_primary, aux_attn, entering[-1])
+        if aux_rows is not None and self.aux_num_rounds > 1:
+            # Rounds 2..R: the aux rows alone pass through every layer again, coupled to the same primary states and
+            # reading the same cached primary K/V; nothing is written.
+            aux_states, aux_positions = hidden_states[num_primary:], positions[num_primary:]
+            for _ in range(self.aux_num_rounds - 1):
+                for layer, aux_attn, primary_entering in zip(self.layers, self.aux_attn, entering):
+                    aux_states = layer(aux_positions, aux_states, 0, aux_attn, primary_entering, extra_round=True)
+            hidden_states = torch.cat([hidden_states[:num_primary], aux_states])
         hidden_states = self.norm(hidden_states)
         if aux_rows is None:
             return hidden_states
@@ -357,7 +379,11 @@ class DualFlowForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # A primary-only engine does not build the aux embedding.
+        # A primary-only engine does not build the aux embedding; a one-round engine has no round gates.
         unused = [] if self.config.use_aux_flow else ["model.aux_embed_tokens."]
-        loader = AutoWeightsLoader(self, ignore_unexpected_prefixes=unused)
+        loader = AutoWeightsLoader(
+            self,
+            ignore_unexpected_prefixes=unused,
+            ignore_unexpected_suffixes=[".aux_round_gate.weight"] if self.config.aux_num_rounds == 1 else [],
+        )
         return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

@@ -48,18 +48,27 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @torch.no_grad()
-def build_checkpoint(root: Path) -> Path:
-    """Source Qwen3-MoE -> `dualflow convert` (k_a = 4 != k_p = 2) -> aux embedding and couplings perturbed."""
+def build_checkpoint(root: Path, aux_rounds: int = 1) -> Path:
+    """
+    Source Qwen3-MoE -> `dualflow convert` (k_a = 4 != k_p = 2, `aux_rounds` passes of the aux flow) -> aux
+    embedding, couplings and round gates perturbed.
+    """
     torch.manual_seed(0)
     source = Qwen3MoeForCausalLM(Qwen3MoeConfig(**SOURCE)).eval()
     source.save_pretrained(root / "source")
-    convert_checkpoint(root / "source", root / "converted", aux_top_k=AUX_TOP_K, show_progress=False)
+    convert_checkpoint(
+        root / "source", root / "converted", aux_top_k=AUX_TOP_K, aux_rounds=aux_rounds, show_progress=False
+    )
     model = DualFlowForCausalLM.from_pretrained(root / "converted").eval()
     generator = torch.Generator().manual_seed(1)
     aux_embed = model.model.aux_embed_tokens.weight
     aux_embed.add_(0.5 * aux_embed.std() * torch.randn(aux_embed.shape, generator=generator))
     for layer in model.model.layers:
         layer.aux_coupling.weight.copy_(0.3 * torch.randn(layer.aux_coupling.weight.shape, generator=generator))
+        if aux_rounds > 1:
+            layer.aux_round_gate.weight.copy_(
+                0.5 + 0.3 * torch.randn(layer.aux_round_gate.weight.shape, generator=generator)
+            )
     folder = root / "dualflow"
     model.save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)

@@ -1,0 +1,44 @@
+"""`aux_num_rounds` = 2 (issue 13): the aux rows pass through the layers twice, the second time alone, coupled to the
+same primary states and reading the same paged K/V; greedy tokens and logprobs equal transformers'."""
+
+import pytest
+from vllm import SamplingParams
+from vllm_reference import build_checkpoint, hf_greedy, load_reference, random_prompts, running_engine
+
+
+MAX_NEW = 8
+PROMPTS = random_prompts([6, 30, 55], seed=4)  # 55 > the 48-token budget: prefilled in chunks
+
+
+@pytest.fixture(scope="module")
+def rounds_checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("vllm-rounds"), aux_rounds=2)
+
+
+@pytest.fixture(scope="module")
+def engine(rounds_checkpoint):
+    with running_engine(rounds_checkpoint, enable_prefix_caching=True, enable_chunked_prefill=True) as llm:
+        yield llm
+
+
+def test_two_aux_rounds_match_transformers(engine, rounds_checkpoint):
+    reference = load_reference(rounds_checkpoint)
+    assert reference.config.aux_num_rounds == 2
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
+    outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, output in zip(PROMPTS, outputs):
+        tokens, logprobs = hf_greedy(reference, prompt, MAX_NEW)
+        completion = output.outputs[0]
+        assert list(completion.token_ids) == tokens
+        served = [step[t].logprob for step, t in zip(completion.logprobs, tokens)]
+        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= 1e-3
+    one_round = [hf_greedy(reference, p, MAX_NEW, aux_num_rounds=1)[0] for p in PROMPTS]
+    assert one_round != [list(output.outputs[0].token_ids) for output in outputs]  # the second round matters
+
+
+def test_rounds_beyond_the_checkpoints_gates_are_refused(checkpoint):
+    with (
+        pytest.raises(ValueError, match="aux_num_rounds=2 needs round gates"),
+        running_engine(checkpoint, hf_overrides={"aux_num_rounds": 2}),
+    ):
+        pass
