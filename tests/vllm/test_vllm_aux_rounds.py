@@ -2,8 +2,15 @@
 same primary states and reading the same paged K/V; greedy tokens and logprobs equal transformers'."""
 
 import pytest
-from vllm import SamplingParams
-from vllm_reference import build_checkpoint, hf_greedy, load_reference, random_prompts, running_engine
+from vllm_reference import (
+    assert_matches_transformers,
+    build_checkpoint,
+    hf_greedy,
+    load_reference,
+    random_prompts,
+    running_engine,
+    served_greedy,
+)
 
 
 MAX_NEW = 8
@@ -24,14 +31,8 @@ def engine(rounds_checkpoint):
 def test_two_aux_rounds_match_transformers(engine, rounds_checkpoint):
     reference = load_reference(rounds_checkpoint)
     assert reference.config.aux_num_rounds == 2
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
-    outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs):
-        tokens, logprobs = hf_greedy(reference, prompt, MAX_NEW)
-        completion = output.outputs[0]
-        assert list(completion.token_ids) == tokens
-        served = [step[t].logprob for step, t in zip(completion.logprobs, tokens)]
-        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= 1e-3
+    outputs = served_greedy(engine, PROMPTS, MAX_NEW)
+    assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW)
     one_round = [hf_greedy(reference, p, MAX_NEW, aux_num_rounds=1)[0] for p in PROMPTS]
     assert one_round != [list(output.outputs[0].token_ids) for output in outputs]  # the second round matters
 

@@ -2,15 +2,21 @@
 (aux flow on, k_a = 4 != k_p = 2), with prefix caching and chunked prefill on."""
 
 import pytest
-from vllm import SamplingParams
-from vllm_reference import AUX_TOP_K, ENGINE_ARGS, hf_greedy, load_reference, random_prompts, running_engine
+from vllm_reference import (
+    AUX_TOP_K,
+    ENGINE_ARGS,
+    assert_matches_transformers,
+    hf_greedy,
+    load_reference,
+    random_prompts,
+    running_engine,
+    served_greedy,
+)
 
 
 MAX_NEW = 8
-LOGPROB_TOLERANCE = 1e-3
 TOKEN_BUDGET = ENGINE_ARGS["max_num_batched_tokens"]  # longer prompts (and batches) are prefilled in chunks
 PROMPTS = random_prompts([3, 17, 40, 29])
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +28,6 @@ def engine(checkpoint):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     return load_reference(checkpoint)
-
-
-def assert_matches_transformers(outputs, prompts, reference, **generate_kwargs):
-    for prompt, output in zip(prompts, outputs):
-        tokens, logprobs = hf_greedy(reference, prompt, MAX_NEW, **generate_kwargs)
-        completion = output.outputs[0]
-        assert list(completion.token_ids) == tokens, f"prompt of length {len(prompt)}"
-        served = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= LOGPROB_TOLERANCE
 
 
 def test_checkpoint_aux_flow_differs_from_primary(checkpoint, reference):
@@ -48,21 +45,19 @@ def test_engine_uses_fast_prefill_for_the_aux_flow(engine):
 
 
 def test_greedy_batch_matches_transformers(engine, reference):
-    outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert_matches_transformers(outputs, PROMPTS, reference)
+    assert_matches_transformers(served_greedy(engine, PROMPTS, MAX_NEW), PROMPTS, reference, MAX_NEW)
 
 
 def test_chunked_prefill_of_a_long_prompt(engine, reference):
     prompt = random_prompts([3 * TOKEN_BUDGET + 5], seed=1)
-    outputs = engine.generate([{"prompt_token_ids": prompt[0]}], GREEDY, use_tqdm=False)
-    assert_matches_transformers(outputs, prompt, reference)
+    assert_matches_transformers(served_greedy(engine, prompt, MAX_NEW), prompt, reference, MAX_NEW)
 
 
 def test_prefix_cache_hits_match_transformers(engine, reference):
     prefix = random_prompts([70], seed=2)[0]
     first = [prefix + [7]]
     later = [prefix + [9, 11], prefix + [13, 15, 17]]
-    engine.generate([{"prompt_token_ids": p} for p in first], GREEDY, use_tqdm=False)
-    outputs = engine.generate([{"prompt_token_ids": p} for p in later], GREEDY, use_tqdm=False)
+    served_greedy(engine, first, MAX_NEW)
+    outputs = served_greedy(engine, later, MAX_NEW)
     assert all(output.num_cached_tokens >= 64 for output in outputs)  # two full 32-token blocks of the prefix
-    assert_matches_transformers(outputs, later, reference)
+    assert_matches_transformers(outputs, later, reference, MAX_NEW)

@@ -5,7 +5,15 @@ import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM
 from vllm import SamplingParams
-from vllm_reference import hf_greedy, load_reference, random_prompts, running_engine
+from vllm_reference import (
+    LOGPROB_TOLERANCE,
+    assert_matches_transformers,
+    hf_greedy,
+    load_reference,
+    random_prompts,
+    running_engine,
+    served_greedy,
+)
 
 
 MAX_NEW = 8
@@ -22,13 +30,9 @@ def test_primary_engine_is_the_base_model(engine, checkpoint):
     assert not engine.llm_engine.vllm_config.cache_config.kv_sharing_fast_prefill
     source = Qwen3MoeForCausalLM.from_pretrained(checkpoint.parent / "source", dtype=torch.float32).eval()
     reference = load_reference(checkpoint)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0, ignore_eos=True)
-    outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, output in zip(PROMPTS, outputs):
-        tokens, logprobs = hf_greedy(reference, prompt, MAX_NEW, use_aux_flow=False)
-        assert list(output.outputs[0].token_ids) == tokens == hf_greedy(source, prompt, MAX_NEW)[0]
-        served = [step[t].logprob for step, t in zip(output.outputs[0].logprobs, tokens)]
-        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= 1e-3
+    outputs = served_greedy(engine, PROMPTS, MAX_NEW)
+    assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW, use_aux_flow=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(source, p, MAX_NEW)[0] for p in PROMPTS]
 
 
 @torch.no_grad()
@@ -39,4 +43,4 @@ def test_prompt_logprobs_are_the_base_models(engine, checkpoint):
     served = [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], prompt[1:])]
     logits = load_reference(checkpoint)(torch.tensor([prompt]), use_aux_flow=False).logits[0]
     expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(prompt) - 1), prompt[1:]].tolist()
-    assert max(abs(a - b) for a, b in zip(served, expected)) <= 1e-3
+    assert max(abs(a - b) for a, b in zip(served, expected)) <= LOGPROB_TOLERANCE

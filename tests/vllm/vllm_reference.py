@@ -34,6 +34,7 @@ SOURCE = dict(
     pad_token_id=0,
 )
 AUX_TOP_K = 4
+LOGPROB_TOLERANCE = 1e-3  # fp32
 # Small enough for this machine; prompts over 48 tokens (or batches) are prefilled in chunks.
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48, block_size=32, seed=0)
 
@@ -93,6 +94,24 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> tuple[
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(step[0].double(), -1)[token].item() for step, token in zip(out.logits, tokens)]
     return tokens, logprobs
+
+
+def served_greedy(engine, prompts: list[list[int]], max_new_tokens: int):
+    """vLLM's greedy completions (with the chosen tokens' log-probabilities) of token-id prompts."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=0, ignore_eos=True)
+    return engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def assert_matches_transformers(outputs, prompts, reference, max_new_tokens: int, **generate_kwargs):
+    """vLLM's greedy tokens are transformers' and each token's logprob agrees within LOGPROB_TOLERANCE."""
+    for prompt, output in zip(prompts, outputs):
+        tokens, logprobs = hf_greedy(reference, prompt, max_new_tokens, **generate_kwargs)
+        completion = output.outputs[0]
+        assert list(completion.token_ids) == tokens, f"prompt of length {len(prompt)}"
+        served = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        assert max(abs(a - b) for a, b in zip(served, logprobs)) <= LOGPROB_TOLERANCE
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
