@@ -621,7 +621,7 @@ def run(args) -> int:
     report = {
         "schema": SCHEMA,
         "command": command_line(args),
-        "commands": previous.get("commands", []) + [command_line(args)],
+        "commands": previous.get("commands", [previous["command"]] if previous else []) + [command_line(args)],
         "quick": args.quick,
         "scale": asdict(scale),
         "data": data,
