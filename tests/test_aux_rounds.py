@@ -1,21 +1,22 @@
-"""`aux_num_rounds` (issue 13): the aux flow passes R times through the shared layers; DESIGN §7 invariants for R > 1."""
+"""
+`aux_num_rounds` (issue 13): the aux flow passes R times through the shared layers. The design invariants (grouped ==
+reference, primary isolation, cached == uncached with left padding) run for R = 2 and 3 through test_modeling's
+`rounds_*` variants; this file pins what is specific to rounds.
+"""
 
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
 from peft import PeftModel
 from test_convert import assert_parity, make_source, run_cli, save_source
-from test_modeling import VARIANTS, left_padded_batch, valid_rows
+from test_modeling import VARIANTS, left_padded_batch
 from test_training import byte_model, stdlib_blocks
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from dualflow.finetune import make_trainer
 from dualflow.instruments.reference import two_pass_forward
 from dualflow.lora import add_lora
-from modeling_dualflow import DualFlowCache, DualFlowForCausalLM
-
-
-ROUND_VARIANTS = ["moe_ka_gt_kp", "dense", "sliding_window", "olmoe_full_qk_norm_clip"]
+from modeling_dualflow import DualFlowForCausalLM
 
 
 def rounds_model(num_rounds=3, **overrides):
@@ -77,110 +78,22 @@ class TestOneRoundIsToday:
 
 
 class TestGroupedEqualsReference:
-    @pytest.mark.parametrize("num_rounds", [2, 3])
-    @pytest.mark.parametrize("variant", ROUND_VARIANTS)
-    @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-    def test_all_positions_left_padded(self, variant, num_rounds, attn):
-        model = rounds_model(num_rounds, variant=variant, attn_implementation=attn)
-        input_ids, attention_mask = left_padded_batch([7, 4])
-        out = model(input_ids, attention_mask=attention_mask)
-        primary, aux = two_pass_forward(model, input_ids, DynamicCache(), attention_mask=attention_mask)
-        rows = valid_rows(attention_mask)
-        torch.testing.assert_close(out.primary_logits[rows], primary[rows], atol=1e-5, rtol=0)
-        torch.testing.assert_close(out.logits[rows], aux[rows], atol=1e-5, rtol=0)
-        fewer = model(input_ids, attention_mask=attention_mask, aux_num_rounds=num_rounds - 1).logits
-        assert (out.logits[rows] - fewer[rows]).abs().max() > 1e-3  # the extra round does something
-
     @pytest.mark.parametrize("logits_to_keep", [1, torch.tensor([0, 2, 5])])
     @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
     def test_selected_positions_and_per_call_rounds(self, variant, logits_to_keep):
         model = rounds_model(2, variant=variant)
         input_ids = torch.randint(0, 97, (2, 6))
         positions = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else torch.tensor([5])
+        outputs = []
         for num_rounds in (1, 2, 4):  # a per-call R may exceed the config's: every extra round uses the same gates
             out = model(input_ids, logits_to_keep=logits_to_keep, aux_num_rounds=num_rounds)
             _, aux = two_pass_forward(model, input_ids, DynamicCache(), aux_positions=positions, num_rounds=num_rounds)
             torch.testing.assert_close(out.logits, aux, atol=1e-5, rtol=0)
-
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
-    def test_chunked_prefill_and_decode_with_cache(self, variant):
-        # the extra rounds read the keys the first round attended to, also those a sliding-window cache drops
-        model = rounds_model(2, variant=variant)
-        input_ids, attention_mask = left_padded_batch([8, 5])
-        cache, reference_cache = DualFlowCache(config=model.config), DynamicCache()
-        for chunk in (slice(0, 3), slice(3, 7), slice(7, 8)):
-            out = model(
-                input_ids[:, chunk],
-                attention_mask=attention_mask[:, : chunk.stop],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            _, aux = two_pass_forward(
-                model,
-                input_ids[:, chunk],
-                reference_cache,
-                attention_mask=attention_mask[:, : chunk.stop],
-                position_ids=torch.arange(chunk.start, chunk.stop).unsqueeze(0),
-            )
-            rows = valid_rows(attention_mask[:, chunk])
-            torch.testing.assert_close(out.logits[rows], aux[rows], atol=1e-5, rtol=0)
-
-
-class TestPrimaryIsolation:
-    @pytest.mark.parametrize("logits_to_keep", [0, 1])
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window"])
-    def test_rounds_and_gates_do_not_touch_primary(self, variant, logits_to_keep):
-        model = rounds_model(2, variant=variant)
-        input_ids, attention_mask = left_padded_batch([6, 4])
-
-        def run(**kwargs):
-            cache = DualFlowCache(config=model.config)
-            out = model(
-                input_ids,
-                attention_mask=attention_mask,
-                past_key_values=cache,
-                logits_to_keep=logits_to_keep,
-                output_hidden_states=True,
-                **kwargs,
-            )
-            return out.primary_logits, out.hidden_states, [layer.keys for layer in cache.layers]
-
-        baseline = run(use_aux_flow=False)
-        runs = [run(aux_num_rounds=r) for r in (1, 2, 3)]
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.aux_round_gate.weight.normal_(std=5.0)
-        runs.append(run(aux_num_rounds=3))
-        rows = valid_rows(attention_mask)
-        logit_rows = rows if logits_to_keep == 0 else rows[:, -1:]
-        for logits, hidden_states, keys in runs:
-            torch.testing.assert_close(logits[logit_rows], baseline[0][logit_rows], atol=1e-5, rtol=0)
-            for state, expected in zip(hidden_states, baseline[1]):
-                torch.testing.assert_close(state[rows], expected[rows], atol=1e-5, rtol=0)
-            for tensor, expected in zip(keys, baseline[2]):
-                torch.testing.assert_close(tensor, expected, atol=1e-5, rtol=0)
+            outputs.append(out.logits)
+        assert all((a - b).abs().max() > 1e-3 for a, b in zip(outputs, outputs[1:]))  # each extra round does something
 
 
 class TestCachedEqualsUncached:
-    @pytest.mark.parametrize("num_rounds", [2, 3])
-    @pytest.mark.parametrize("variant", ROUND_VARIANTS)
-    @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-    def test_generate_scores_match_full_forward(self, variant, num_rounds, attn):
-        model = rounds_model(num_rounds, variant=variant, attn_implementation=attn)
-        input_ids, attention_mask = left_padded_batch([5, 3])
-        generated = model.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=6,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-        full_mask = torch.cat([attention_mask, torch.ones(2, 6, dtype=torch.long)], dim=1)
-        full = model(generated.sequences, attention_mask=full_mask)
-        torch.testing.assert_close(torch.stack(generated.logits, dim=1), full.logits[:, 4:-1], atol=1e-5, rtol=0)
-
     def test_per_call_rounds_reach_every_generate_step(self):
         model = rounds_model(3)
         prompt = torch.randint(0, 97, (1, 5))

@@ -37,6 +37,9 @@ VARIANTS = {
     "qwen3_per_head_qk_norm": {"qk_norm": "per_head", "mlp_only_layers": [0]},
     "sliding_window": {"sliding_window": 3, "num_experts": 0},
     "tied_bias_sparse_step": {"tie_word_embeddings": True, "attention_bias": True, "decoder_sparse_step": 2},
+    # the aux flow passes several times through the layers (round gates random in tiny_model)
+    "rounds_3": {"aux_num_rounds": 3, "aux_num_experts_per_tok": 4},
+    "rounds_2_sliding_window": {"aux_num_rounds": 2, "sliding_window": 3, "num_experts": 0},
 }
 
 
@@ -132,7 +135,7 @@ class TestGroupedEqualsReference:
         torch.testing.assert_close(out.logits[rows], aux[rows], atol=1e-5, rtol=0)
         assert not torch.allclose(out.logits[rows], out.primary_logits[rows], atol=1e-3)
 
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window"])
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window", "rounds_3"])
     @pytest.mark.parametrize("logits_to_keep", [1, 3, torch.tensor([0, 2, 5])])
     def test_selected_positions(self, variant, logits_to_keep):
         model = tiny_model(**VARIANTS[variant])
@@ -143,7 +146,7 @@ class TestGroupedEqualsReference:
         torch.testing.assert_close(out.logits, aux, atol=1e-5, rtol=0)
         assert out.logits.shape == (2, len(positions), 97) == out.primary_logits.shape
 
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window", "rounds_2_sliding_window"])
     def test_decode_step_with_cache(self, variant):
         model = tiny_model(**VARIANTS[variant])
         input_ids, attention_mask = left_padded_batch([6, 3])
@@ -157,7 +160,7 @@ class TestGroupedEqualsReference:
         )
         torch.testing.assert_close(step.logits, aux, atol=1e-5, rtol=0)
 
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window"])
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window", "rounds_3", "rounds_2_sliding_window"])
     def test_chunked_prefill_with_padding(self, variant):
         model = tiny_model(**VARIANTS[variant])
         input_ids, attention_mask = left_padded_batch([7, 5])
@@ -213,7 +216,9 @@ class TestPrimaryIsolation:
 
     @pytest.mark.parametrize("attn", ["sdpa", "eager"])
     @pytest.mark.parametrize("logits_to_keep", [0, 1])
-    @pytest.mark.parametrize("variant", ["moe", "moe_ka_lt_kp", "dense", "qwen2moe_shared_expert", "sliding_window"])
+    @pytest.mark.parametrize(
+        "variant", ["moe", "moe_ka_lt_kp", "dense", "qwen2moe_shared_expert", "sliding_window", "rounds_3"]
+    )
     def test_aux_parameters_top_k_and_switch_do_not_touch_primary(self, variant, logits_to_keep, attn):
         model = tiny_model(attn_implementation=attn, **VARIANTS[variant])
         input_ids, attention_mask = left_padded_batch([6, 4])
@@ -225,10 +230,11 @@ class TestPrimaryIsolation:
         runs = [run(use_aux_flow=True)]
         if model.config.num_experts:
             runs.append(run(aux_num_experts_per_tok=4))
+        if model.config.aux_num_rounds > 1:
+            runs.append(run(aux_num_rounds=1))
         with torch.no_grad():
-            model.model.aux_embed_tokens.weight.normal_()
-            for layer in model.model.layers:
-                layer.aux_coupling.weight.normal_(std=3.0)
+            for name in model.aux_parameter_names():  # embedding, couplings, and whatever else the config builds
+                model.get_parameter(name).normal_(std=3.0)
         runs.append(run())
         rows = valid_rows(attention_mask)
         logit_rows = rows if logits_to_keep == 0 else rows[:, -1:]
@@ -246,7 +252,16 @@ class TestCachedEqualsUncached:
     @pytest.mark.parametrize("attn", ["sdpa", "eager"])
     @pytest.mark.parametrize("use_aux_flow", [True, False])
     @pytest.mark.parametrize(
-        "variant", ["moe_ka_gt_kp", "moe_ka_lt_kp", "dense", "sliding_window", "olmoe_full_qk_norm_clip"]
+        "variant",
+        [
+            "moe_ka_gt_kp",
+            "moe_ka_lt_kp",
+            "dense",
+            "sliding_window",
+            "olmoe_full_qk_norm_clip",
+            "rounds_3",
+            "rounds_2_sliding_window",
+        ],
     )
     def test_generate_scores_match_full_forward(self, use_aux_flow, variant, attn):
         model = tiny_model(attn_implementation=attn, **VARIANTS[variant])
