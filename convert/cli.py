@@ -29,6 +29,12 @@ def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
         default=1,
         help="passes of the aux flow through the layers (aux_num_rounds); extra rounds start as the identity",
     )
+    parser.add_argument(
+        "--aux-adapter-rank",
+        type=int,
+        default=0,
+        help="rank of the aux adapters (low-rank deltas acting on aux rows only; 0 = none); they start at zero",
+    )
     parser.add_argument("--dtype", choices=list(DTYPES), default="auto", help="output dtype; auto keeps the source's")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB")
     parser.add_argument(
@@ -46,6 +52,7 @@ def run(args) -> int:
         args.out,
         aux_top_k=args.aux_top_k,
         aux_rounds=args.aux_rounds,
+        aux_adapter_rank=args.aux_adapter_rank,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         verify=args.verify,

@@ -41,13 +41,20 @@ PASSTHROUGH_PATTERNS = (
 
 
 def build_config(
-    source: SourceCheckpoint, aux_top_k: int | None, dtype: torch.dtype | None, aux_rounds: int = 1
+    source: SourceCheckpoint,
+    aux_top_k: int | None,
+    dtype: torch.dtype | None,
+    aux_rounds: int = 1,
+    aux_adapter_rank: int = 0,
 ) -> DualFlowConfig:
     family = family_for(source.model_type)
     fields = family.dualflow_config_fields(source.parse_config())
     if aux_rounds < 1:
         raise DualFlowUserError(f"--aux-rounds must be >= 1, got {aux_rounds}")
+    if aux_adapter_rank < 0:
+        raise DualFlowUserError(f"--aux-adapter-rank must be >= 0 (0 = no adapters), got {aux_adapter_rank}")
     fields["aux_num_rounds"] = aux_rounds
+    fields["aux_adapter_rank"] = aux_adapter_rank
     num_experts = fields.get("num_experts", 0)
     if aux_top_k is not None:
         if not num_experts:
@@ -67,13 +74,17 @@ def build_config(
     return config
 
 
-def conversion_command(src, out, aux_top_k, dtype_name, max_shard_size, verify, aux_rounds=1) -> str:
+def conversion_command(
+    src, out, aux_top_k, dtype_name, max_shard_size, verify, aux_rounds=1, aux_adapter_rank=0
+) -> str:
     """The `dualflow convert` command line equivalent to this call (recorded in the model card)."""
     words = ["dualflow", "convert", str(src), str(out)]
     if aux_top_k is not None:
         words += ["--aux-top-k", str(aux_top_k)]
     if aux_rounds != 1:
         words += ["--aux-rounds", str(aux_rounds)]
+    if aux_adapter_rank:
+        words += ["--aux-adapter-rank", str(aux_adapter_rank)]
     if dtype_name not in (None, "auto"):
         words += ["--dtype", dtype_name]
     if str(max_shard_size) != "5GB":
@@ -132,6 +143,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     show_progress: bool = True,
     aux_rounds: int = 1,
+    aux_adapter_rank: int = 0,
 ) -> dict:
     """
     Convert the checkpoint `src` (local folder or Hub repo id) into a Dual-Flow checkpoint folder `out` whose primary
@@ -140,6 +152,7 @@ def convert_checkpoint(
     aux_top_k: aux-flow expert top-k (k_a); default k_p, which makes the aux flow reproduce the source exactly.
     aux_rounds: passes of the aux flow through the layers (`aux_num_rounds`); the extra rounds' gates start at 0, so
         parity holds for any value.
+    aux_adapter_rank: rank of the aux adapters (`aux_adapter_rank`, 0 = none); their deltas start at 0 (parity holds).
     dtype: "auto" / None keeps each tensor's dtype; "float32", "bfloat16", "float16" cast.
     max_shard_size: output shard size limit ("5GB", "500MB" or bytes).
     verify: compare source and result logits / greedy generations (see `check_parity`); a mismatch raises and
@@ -167,7 +180,7 @@ def convert_checkpoint(
     if out.resolve() == src_dir.resolve():
         raise DualFlowUserError("OUT must differ from SRC")
     source = SourceCheckpoint(src_dir)
-    config = build_config(source, aux_top_k, torch_dtype, aux_rounds)
+    config = build_config(source, aux_top_k, torch_dtype, aux_rounds, aux_adapter_rank)
     targets = plan_targets(source, family_for(source.model_type), config, torch_dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -189,7 +202,9 @@ def convert_checkpoint(
             repo_id=str(out),
             base_model=base_model,
             license=license_of(src_dir),
-            conversion_command=conversion_command(src, out, aux_top_k, dtype, max_shard_size, verify, aux_rounds),
+            conversion_command=conversion_command(
+                src, out, aux_top_k, dtype, max_shard_size, verify, aux_rounds, aux_adapter_rank
+            ),
             parity=_card_parity(parity),
         )
         _publish(tmp_dir, out)

@@ -8,6 +8,7 @@ source tensor (usually the embedding matrix), whatever the model or shard size.
 
 import json
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +34,20 @@ IGNORED_SOURCE_TENSORS = re.compile(r"rotary_emb\.inv_freq$")
 
 @dataclass(frozen=True)
 class Piece:
-    """A source tensor (or zeros, when `key` is None) making up a C-order slice of an output tensor."""
+    """
+    A source tensor making up a C-order slice of an output tensor; when `key` is None, zeros, or with `std` > 0 a
+    N(0, std^2) draw seeded by `seed` (the same conversion always writes the same tensor).
+    """
 
     key: str | None
     shape: tuple[int, ...]
+    std: float = 0.0
+    seed: int = 0
+
+    def fresh(self) -> torch.Tensor:
+        if not self.std:
+            return torch.zeros(self.shape)
+        return torch.randn(self.shape, generator=torch.Generator().manual_seed(self.seed)) * self.std
 
 
 @dataclass(frozen=True)
@@ -68,8 +79,11 @@ def _expert_pieces(local: str, prefix: str, family: Family, config: DualFlowConf
 def _pieces_for(name: str, shape, source: SourceCheckpoint, family: Family, config: DualFlowConfig) -> list[Piece]:
     if name == "model.aux_embed_tokens.weight":
         return [Piece(EMBEDDING, shape)]  # upcycling init: the aux embedding starts as a copy of the primary one
-    if name.endswith((".aux_coupling.weight", ".aux_round_gate.weight")):
-        return [Piece(None, shape)]  # upcycling init: no coupling, extra aux rounds start as the identity
+    if name.endswith((".aux_coupling.weight", ".aux_round_gate.weight", "_adapter.up")):
+        # upcycling init: no coupling, extra aux rounds start as the identity, aux adapters add nothing
+        return [Piece(None, shape)]
+    if name.endswith("_adapter.down"):  # random, as at initialisation: with `up` = 0 a zero `down` would never train
+        return [Piece(None, shape, std=config.initializer_range, seed=zlib.crc32(name.encode()))]
     match = LAYER_NAME.match(name)
     if match and family.experts and match["local"] in FUSED_EXPERT_NAMES:
         fused_in_source = match["prefix"] + "mlp.experts.gate_up_proj" in source.tensors
@@ -147,7 +161,7 @@ def write_checkpoint(
                 for name in names:
                     target = by_name[name]
                     for piece in target.pieces:
-                        data = source.read(piece.key) if piece.key else torch.zeros(piece.shape)
+                        data = source.read(piece.key) if piece.key else piece.fresh()
                         writer.write(data.to(target.dtype))
                         del data  # release before reading the next piece
                     progress.update()

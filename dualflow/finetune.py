@@ -2,9 +2,9 @@
 `dualflow finetune`: adapt a Dual-Flow checkpoint to a text corpus with `transformers.Trainer`.
 
 Three modes: full fine-tuning, `--aux-only` (only the aux flow's own parameters: embedding, couplings and, where the
-model has them, round gates; the primary flow stays the source model bit for bit) and `--lora` (PEFT adapters on the
-shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt file (one document) or a .jsonl file (one {"text": ...} document per line),
-tokenized with the model folder's tokenizer and packed into fixed-size blocks.
+model has them, round gates and aux adapters; the primary flow stays the source model bit for bit) and `--lora` (PEFT
+adapters on the shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt file (one document)
+or a .jsonl file (one {"text": ...} document per line), tokenized with the model folder's tokenizer and packed into fixed-size blocks.
 """
 
 import argparse
@@ -252,7 +252,8 @@ class FinetuneArguments:
     data: str = field(metadata={"help": 'FILE.txt (one document) or FILE.jsonl (one {"text": ...} per line)'})
     lora: bool = field(default=False, metadata={"help": "train LoRA adapters + the aux parameters; saves the adapter"})
     aux_only: bool = field(
-        default=False, metadata={"help": "train only the aux flow's own parameters (embedding, couplings, round gates)"}
+        default=False,
+        metadata={"help": "train only the aux flow's own parameters (embedding, couplings, round gates, adapters)"},
     )
     block_size: int = field(default=512, metadata={"help": "tokens per training block (capped at the model's)"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of blocks held out for evaluation"})

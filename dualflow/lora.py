@@ -1,6 +1,6 @@
 """
 LoRA for Dual-Flow models with PEFT: low-rank adapters on the shared weights, the aux flow's own modules (token
-embedding, per-layer couplings and round gates) trained in full through `modules_to_save`. Plain PEFT saves, reloads and merges
+embedding, per-layer couplings, round gates and aux adapters) trained in full through `modules_to_save`. Plain PEFT saves, reloads and merges
 the result (`PeftModel.save_pretrained`, `PeftModel.from_pretrained`, `merge_and_unload`).
 """
 
@@ -16,8 +16,15 @@ ATTENTION_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
 # Routed experts are stored fused as parameters, which `target_modules` cannot reach.
 FUSED_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-# The aux flow's own modules; those a config does not build (round gates) match nothing and are skipped by PEFT.
-AUX_MODULES = ["aux_embed_tokens", "aux_coupling", "aux_round_gate"]
+# The aux flow's own modules; those a config does not build (round gates, adapters) match nothing: PEFT skips them.
+AUX_MODULES = [
+    "aux_embed_tokens",
+    "aux_coupling",
+    "aux_round_gate",
+    "aux_q_adapter",
+    "aux_o_adapter",
+    "aux_mlp_adapter",
+]
 
 
 def dualflow_lora_config(config, r: int = 16, lora_alpha: int = 32) -> LoraConfig:

@@ -33,6 +33,9 @@ class DualFlowConfig(PreTrainedConfig):
             alone against the primary K/V of the first round and write nothing; each layer gates their residual
             updates with a zero-initialised `aux_round_gate`, so a converted model still computes as its source. 1 (the
             default) is the paper's form and builds no gates.
+        aux_adapter_rank (`int`): rank of the aux adapters, low-rank deltas on each layer's q_proj, o_proj and MLP / MoE
+            block output that act on aux rows only (`aux_q_adapter`, `aux_o_adapter`, `aux_mlp_adapter`); their up
+            projection starts at zero, so a converted model still computes as its source. 0 (the default) builds none.
     """
 
     model_type = "dualflow"
@@ -112,6 +115,7 @@ class DualFlowConfig(PreTrainedConfig):
     primary_loss_weight: float = 1.0
     use_aux_flow: bool = True
     aux_num_rounds: int = 1
+    aux_adapter_rank: int = 0
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -186,6 +190,8 @@ class DualFlowConfig(PreTrainedConfig):
             raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
         if self.aux_num_rounds < 1:
             raise ValueError(f"aux_num_rounds must be >= 1, got {self.aux_num_rounds}")
+        if self.aux_adapter_rank < 0:
+            raise ValueError(f"aux_adapter_rank must be >= 0 (0 = no adapters), got {self.aux_adapter_rank}")
         if self.primary_loss_weight < 0:
             raise ValueError(f"primary_loss_weight must be >= 0, got {self.primary_loss_weight}")
         if self.num_experts < 0:

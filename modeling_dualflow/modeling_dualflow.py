@@ -71,6 +71,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+class DualFlowAuxAdapter(nn.Module):
+    """
+    Low-rank delta `x -> up(down(x))` that the aux rows add to the output of a shared weight (`aux_adapter_rank`):
+    capacity of the aux flow's own, while primary rows never see it. `up` starts at zero (so does the delta).
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.down = nn.Parameter(torch.empty(rank, in_features))
+        self.up = nn.Parameter(torch.zeros(out_features, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.down), self.up)
+
+
+def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlowAuxAdapter | None, num_primary: int):
+    """`output` (batch, rows, out) with `adapter(inputs)` added to its aux rows (>= num_primary); primary rows untouched."""
+    if adapter is None or output.shape[1] == num_primary:
+        return output
+    aux_output = output[:, num_primary:] + adapter(inputs[:, num_primary:])
+    return torch.cat([output[:, :num_primary], aux_output], dim=1) if num_primary else aux_output
+
+
 class DualFlowAttention(nn.Module):
     """Self-attention whose queries are [primary rows; aux rows] and whose keys/values come from primary rows only."""
 
@@ -97,9 +120,12 @@ class DualFlowAttention(nn.Module):
         elif config.qk_norm == "full":
             self.q_norm = DualFlowRMSNorm(q_dim, eps=config.rms_norm_eps)
             self.k_norm = DualFlowRMSNorm(kv_dim, eps=config.rms_norm_eps)
+        if config.aux_adapter_rank:
+            self.aux_q_adapter = DualFlowAuxAdapter(config.hidden_size, q_dim, config.aux_adapter_rank)
+            self.aux_o_adapter = DualFlowAuxAdapter(q_dim, config.hidden_size, config.aux_adapter_rank)
 
-    def _project(self, hidden_states, proj, norm):
-        states = proj(hidden_states)
+    def _project(self, hidden_states, proj, norm, num_primary=0, aux_adapter=None):
+        states = add_to_aux_rows(proj(hidden_states), hidden_states, aux_adapter, num_primary)
         if self.config.qk_norm == "full" and norm is not None:
             states = norm(states)
         if self.config.clip_qkv is not None:
@@ -123,7 +149,9 @@ class DualFlowAttention(nn.Module):
         # hidden_states: (batch, T + P, hidden), already normed. Given `primary_key_values` (an extra aux round), the rows
         # are aux rows only (num_primary = 0) and attend to those keys/values: nothing is projected or cached.
         q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
-        query_states = self._project(hidden_states, self.q_proj, q_norm)
+        query_states = self._project(
+            hidden_states, self.q_proj, q_norm, num_primary, getattr(self, "aux_q_adapter", None)
+        )
         cos, sin = position_embeddings
         query_states = apply_rotary(query_states, cos, sin)
 
@@ -153,7 +181,10 @@ class DualFlowAttention(nn.Module):
             **kwargs,
         )
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-        return self.o_proj(attn_output), attn_weights, (key_states, value_states)
+        attn_output = add_to_aux_rows(
+            self.o_proj(attn_output), attn_output, getattr(self, "aux_o_adapter", None), num_primary
+        )
+        return attn_output, attn_weights, (key_states, value_states)
 
 
 class DualFlowMLP(Qwen2MoeMLP):
@@ -288,6 +319,8 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         self.aux_coupling = DualFlowCoupling(config.hidden_size)
         if config.aux_num_rounds > 1:
             self.aux_round_gate = DualFlowRoundGate(config.hidden_size)
+        if config.aux_adapter_rank:
+            self.aux_mlp_adapter = DualFlowAuxAdapter(config.hidden_size, config.hidden_size, config.aux_adapter_rank)
 
     def forward(
         self,
@@ -332,12 +365,14 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         hidden_states = residual + hidden_states
 
         residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        mlp_input = self.post_attention_layernorm(hidden_states)
         if isinstance(self.mlp, DualFlowSparseMoeBlock):
-            hidden_states = self.mlp(hidden_states, num_primary, aux_top_k)
+            hidden_states = self.mlp(mlp_input, num_primary, aux_top_k)
         else:
-            hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
+            hidden_states = self.mlp(mlp_input)
+        hidden_states = residual + add_to_aux_rows(
+            hidden_states, mlp_input, getattr(self, "aux_mlp_adapter", None), num_primary
+        )
         if extra_round:
             hidden_states = layer_input + self.aux_round_gate(hidden_states - layer_input)
         return hidden_states, *key_values
@@ -432,6 +467,9 @@ class DualFlowPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, (DualFlowCoupling, DualFlowRoundGate)):
             init.zeros_(module.weight)
+        elif isinstance(module, DualFlowAuxAdapter):
+            init.normal_(module.down, mean=0.0, std=std)
+            init.zeros_(module.up)
 
 
 class DualFlowModel(DualFlowPreTrainedModel):
@@ -773,14 +811,16 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
     @torch.no_grad()
     def init_aux_from_primary(self):
         """
-        Upcycling init: aux embedding = primary embedding, coupling = 0, round gates = 0 (with k_a == k_p: aux ==
-        primary).
+        Upcycling init: aux embedding = primary embedding, coupling = 0, round gates = 0, adapter deltas = 0 (with
+        k_a == k_p: aux == primary).
         """
         self.model.aux_embed_tokens.weight.copy_(self.model.embed_tokens.weight)
         for layer in self.model.layers:
             layer.aux_coupling.weight.zero_()
             if hasattr(layer, "aux_round_gate"):
                 layer.aux_round_gate.weight.zero_()
+            for adapter in (module for module in layer.modules() if isinstance(module, DualFlowAuxAdapter)):
+                adapter.up.zero_()  # `down` keeps its random draw, or the adapter could never learn
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)

@@ -29,6 +29,12 @@ def _moe_row(block, x, top_k):
     return out
 
 
+def plus_adapter(projection, owner, adapter_name):
+    """`projection`, plus the aux adapter `owner.<adapter_name>` on the same input where the model has one."""
+    adapter = getattr(owner, adapter_name, None)
+    return projection if adapter is None else lambda x: projection(x) + adapter(x)
+
+
 @torch.no_grad()
 def aux_pass(
     model,
@@ -45,7 +51,8 @@ def aux_pass(
     Run the aux flow after the primary pass. `entering_states[l]`: (batch, T, hidden) primary state entering layer l;
     `cache` holds the primary K/V including the T new tokens (every key the aux rows may attend to: use a plain
     `DynamicCache()`, not a sliding-window one that drops keys within the chunk); `position_ids`: (batch, T);
-    `attention_mask`: (batch, past + T) or None. Each of the `num_rounds` rounds walks every layer; in rounds after the
+    `attention_mask`: (batch, past + T) or None. Aux adapters (`aux_adapter_rank`) add their low-rank deltas to q_proj,
+    o_proj and the MLP output. Each of the `num_rounds` rounds walks every layer; in rounds after the
     first, a layer's whole update is scaled by its round gate. Returns aux logits (batch, P, vocab).
     """
     config = model.config
@@ -63,7 +70,11 @@ def aux_pass(
         attn = layer.self_attn
         aux_states = aux_states + layer.aux_coupling.weight * entering_states[layer_idx][:, aux_positions]
         normed = layer.input_layernorm(aux_states)
-        query = apply_rotary(attn._project(normed, attn.q_proj, getattr(attn, "q_norm", None)), cos, sin)
+        query = apply_rotary(
+            attn._project(normed, plus_adapter(attn.q_proj, attn, "aux_q_adapter"), getattr(attn, "q_norm", None)),
+            cos,
+            sin,
+        )
         keys, values = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
         keys = keys.repeat_interleave(attn.num_key_value_groups, dim=1)
         values = values.repeat_interleave(attn.num_key_value_groups, dim=1)
@@ -80,12 +91,15 @@ def aux_pass(
                 scores = torch.einsum("hd,hsd->hs", query[b, :, row], keys[b]) * attn.scaling
                 probs = F.softmax(scores.masked_fill(~allowed, float("-inf")).float(), dim=-1).to(values.dtype)
                 attended[b, :, row] = torch.einsum("hs,hsd->hd", probs, values[b])
-        aux_states = aux_states + attn.o_proj(attended.transpose(1, 2).reshape(batch, len(aux_positions), -1))
+        attended = attended.transpose(1, 2).reshape(batch, len(aux_positions), -1)
+        aux_states = aux_states + plus_adapter(attn.o_proj, attn, "aux_o_adapter")(attended)
         normed = layer.post_attention_layernorm(aux_states)
         if isinstance(layer.mlp, DualFlowSparseMoeBlock):
             mlp_out = torch.stack([torch.stack([_moe_row(layer.mlp, x, aux_top_k) for x in row]) for row in normed])
         else:
             mlp_out = layer.mlp(normed)
+        if hasattr(layer, "aux_mlp_adapter"):
+            mlp_out = mlp_out + layer.aux_mlp_adapter(normed)
         return aux_states + mlp_out
 
     for round_idx in range(num_rounds):
