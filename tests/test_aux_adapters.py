@@ -248,3 +248,15 @@ def test_peft_modules_to_save_round_trip(tmp_path):
     with torch.no_grad():
         saved = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(blocks[:2]).logits
     torch.testing.assert_close(saved, trained, atol=1e-4, rtol=0)
+
+
+def test_adding_adapters_to_a_saved_model_at_load(tmp_path):
+    # `from_pretrained(folder, aux_adapter_rank=r)` on a checkpoint without adapters initialises them (zero deltas)
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    adapted = DualFlowForCausalLM.from_pretrained(tmp_path, aux_adapter_rank=4).eval()
+    parameters = dict(adapted.named_parameters())
+    assert all(torch.count_nonzero(parameters[name]) == 0 for name in adapter_names() if name.endswith("up"))
+    assert all(parameters[name].std() > 0.01 for name in adapter_names() if name.endswith("down"))
+    input_ids = torch.randint(0, 97, (2, 6))
+    torch.testing.assert_close(adapted(input_ids).logits, model(input_ids).logits, atol=1e-6, rtol=0)
