@@ -36,8 +36,8 @@ def tiny_config(**overrides) -> DualFlowConfig:
 
 def tiny_model(seed: int = 0, random_coupling: bool = True, attn_implementation: str = "sdpa", **overrides):
     """
-    Random tiny model in eval mode; non-zero couplings (and round gates, where the config has them) so the aux flow
-    differs from the primary one.
+    Random tiny model in eval mode; non-zero couplings (and round gates and adapter deltas, where the config has them)
+    so the aux flow differs from the primary one.
     """
     torch.manual_seed(seed)
     model = DualFlowForCausalLM(tiny_config(**overrides)).eval()
@@ -48,6 +48,9 @@ def tiny_model(seed: int = 0, random_coupling: bool = True, attn_implementation:
                 layer.aux_coupling.weight.normal_(std=0.5)
                 if hasattr(layer, "aux_round_gate"):
                     layer.aux_round_gate.weight.normal_(mean=0.5, std=0.5)
+            for name, parameter in model.named_parameters():
+                if name.endswith("_adapter.up"):
+                    parameter.normal_(std=0.2)
     return model
 
 

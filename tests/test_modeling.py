@@ -40,6 +40,9 @@ VARIANTS = {
     # the aux flow passes several times through the layers (round gates random in tiny_model)
     "rounds_3": {"aux_num_rounds": 3, "aux_num_experts_per_tok": 4},
     "rounds_2_sliding_window": {"aux_num_rounds": 2, "sliding_window": 3, "num_experts": 0},
+    # aux adapters on q_proj / o_proj / the MLP output (their deltas random in tiny_model)
+    "adapters": {"aux_adapter_rank": 4, "aux_num_experts_per_tok": 4, "qk_norm": "full", "clip_qkv": 0.5},
+    "adapters_rounds_2_sliding_window": {"aux_adapter_rank": 3, "aux_num_rounds": 2, "sliding_window": 3},
 }
 
 
@@ -135,7 +138,7 @@ class TestGroupedEqualsReference:
         torch.testing.assert_close(out.logits[rows], aux[rows], atol=1e-5, rtol=0)
         assert not torch.allclose(out.logits[rows], out.primary_logits[rows], atol=1e-3)
 
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window", "rounds_3"])
+    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "dense", "sliding_window", "rounds_3", "adapters"])
     @pytest.mark.parametrize("logits_to_keep", [1, 3, torch.tensor([0, 2, 5])])
     def test_selected_positions(self, variant, logits_to_keep):
         model = tiny_model(**VARIANTS[variant])
@@ -146,7 +149,9 @@ class TestGroupedEqualsReference:
         torch.testing.assert_close(out.logits, aux, atol=1e-5, rtol=0)
         assert out.logits.shape == (2, len(positions), 97) == out.primary_logits.shape
 
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window", "rounds_2_sliding_window"])
+    @pytest.mark.parametrize(
+        "variant", ["moe_ka_gt_kp", "sliding_window", "rounds_2_sliding_window", "adapters_rounds_2_sliding_window"]
+    )
     def test_decode_step_with_cache(self, variant):
         model = tiny_model(**VARIANTS[variant])
         input_ids, attention_mask = left_padded_batch([6, 3])
@@ -160,7 +165,9 @@ class TestGroupedEqualsReference:
         )
         torch.testing.assert_close(step.logits, aux, atol=1e-5, rtol=0)
 
-    @pytest.mark.parametrize("variant", ["moe_ka_gt_kp", "sliding_window", "rounds_3", "rounds_2_sliding_window"])
+    @pytest.mark.parametrize(
+        "variant", ["moe_ka_gt_kp", "sliding_window", "rounds_3", "rounds_2_sliding_window", "adapters"]
+    )
     def test_chunked_prefill_with_padding(self, variant):
         model = tiny_model(**VARIANTS[variant])
         input_ids, attention_mask = left_padded_batch([7, 5])
@@ -217,7 +224,8 @@ class TestPrimaryIsolation:
     @pytest.mark.parametrize("attn", ["sdpa", "eager"])
     @pytest.mark.parametrize("logits_to_keep", [0, 1])
     @pytest.mark.parametrize(
-        "variant", ["moe", "moe_ka_lt_kp", "dense", "qwen2moe_shared_expert", "sliding_window", "rounds_3"]
+        "variant",
+        ["moe", "moe_ka_lt_kp", "dense", "qwen2moe_shared_expert", "sliding_window", "rounds_3", "adapters"],
     )
     def test_aux_parameters_top_k_and_switch_do_not_touch_primary(self, variant, logits_to_keep, attn):
         model = tiny_model(attn_implementation=attn, **VARIANTS[variant])
@@ -261,6 +269,8 @@ class TestCachedEqualsUncached:
             "olmoe_full_qk_norm_clip",
             "rounds_3",
             "rounds_2_sliding_window",
+            "adapters",
+            "adapters_rounds_2_sliding_window",
         ],
     )
     def test_generate_scores_match_full_forward(self, use_aux_flow, variant, attn):
