@@ -4,7 +4,8 @@
 Three modes: full fine-tuning, `--aux-only` (only the aux flow's own parameters: embedding, couplings and, where the
 model has them, round gates and aux adapters; the primary flow stays the source model bit for bit) and `--lora` (PEFT
 adapters on the shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt file (one document)
-or a .jsonl file (one {"text": ...} document per line), tokenized with the model folder's tokenizer and packed into fixed-size blocks.
+or a .jsonl file (one {"text": ...} document per line), tokenized with the model folder's tokenizer and packed into
+fixed-size blocks.
 """
 
 import argparse
