@@ -6,15 +6,12 @@ cached == uncached with left padding run through test_modeling's `adapters*` var
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
-from peft import PeftModel
 from test_convert import assert_parity, make_source, run_cli, save_source
 from test_modeling import VARIANTS, left_padded_batch
 from test_training import byte_model, stdlib_blocks, stdlib_text
 from test_training import run_cli as run_finetune_cli
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
-from dualflow.finetune import make_trainer
-from dualflow.lora import add_lora
 from modeling_dualflow import DualFlowCache, DualFlowForCausalLM
 
 
@@ -176,38 +173,6 @@ def test_finetune_aux_only_trains_the_adapters_and_keeps_primary(tmp_path):
     probe = stdlib_blocks(32, chars=2000)[:2]
     with torch.no_grad():
         assert torch.equal(trained(probe).primary_logits, source(probe).primary_logits)
-
-
-def test_peft_modules_to_save_round_trip(tmp_path):
-    byte_model(aux_adapter_rank=4).save_pretrained(tmp_path / "base")
-    fresh_base = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()  # noqa: E731
-    blocks = stdlib_blocks(block_size=32, chars=4000)
-    peft_model = add_lora(fresh_base(), r=4, lora_alpha=8)
-    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
-    expected = {
-        f"base_model.model.{name}".replace("_adapter.", "_adapter.modules_to_save.default.") for name in adapter_names()
-    }
-    assert expected <= trainable
-    make_trainer(
-        peft_model, blocks, None, tmp_path / "work", max_steps=3, learning_rate=1e-2, disable_tqdm=True
-    ).train()
-    peft_model.eval()
-    layer = peft_model.get_base_model().model.layers[0]
-    assert layer.aux_mlp_adapter.modules_to_save.default.up.abs().max() > 0  # trained away from zero
-    with torch.no_grad():
-        trained = peft_model(blocks[:2]).logits
-    peft_model.save_pretrained(tmp_path / "adapter")
-    reloaded = PeftModel.from_pretrained(fresh_base(), tmp_path / "adapter").eval()
-    merged = reloaded.merge_and_unload()
-    assert type(merged) is DualFlowForCausalLM
-    assert not any("modules_to_save" in name or "lora_" in name for name, _ in merged.named_parameters())
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(blocks[:2]).logits, trained, atol=1e-5, rtol=0)
-        torch.testing.assert_close(merged(blocks[:2]).logits, trained, atol=1e-4, rtol=0)
-    merged.save_pretrained(tmp_path / "merged")
-    with torch.no_grad():
-        saved = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(blocks[:2]).logits
-    torch.testing.assert_close(saved, trained, atol=1e-4, rtol=0)
 
 
 def test_adding_adapters_to_a_saved_model_at_load(tmp_path):

@@ -7,15 +7,11 @@ reference, primary isolation, cached == uncached with left padding) run for R = 
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
-from peft import PeftModel
 from test_convert import assert_parity, make_source, run_cli, save_source
 from test_modeling import VARIANTS, left_padded_batch
-from test_training import byte_model, stdlib_blocks
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, DynamicCache
 
-from dualflow.finetune import make_trainer
 from dualflow.instruments.reference import two_pass_forward
-from dualflow.lora import add_lora
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -144,29 +140,6 @@ def test_freeze_for_aux_training_trains_the_gates():
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(model.aux_parameter_names())
     assert {f"model.layers.{i}.aux_round_gate.weight" for i in range(2)} <= trainable
-
-
-def test_peft_trains_gates_in_modules_to_save_and_round_trips(tmp_path):
-    byte_model(aux_num_rounds=2).save_pretrained(tmp_path / "base")
-    fresh_base = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()  # noqa: E731
-    blocks = stdlib_blocks(block_size=32, chars=4000)
-    peft_model = add_lora(fresh_base(), r=4, lora_alpha=8)
-    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
-    assert "base_model.model.model.layers.1.aux_round_gate.modules_to_save.default.weight" in trainable
-    make_trainer(
-        peft_model, blocks, None, tmp_path / "work", max_steps=3, learning_rate=1e-2, disable_tqdm=True
-    ).train()
-    peft_model.eval()
-    gates = [layer.aux_round_gate.modules_to_save.default.weight for layer in peft_model.get_base_model().model.layers]
-    assert all(gate.abs().max() > 0 for gate in gates)  # zero-initialised, moved by training
-    with torch.no_grad():
-        trained = peft_model(blocks[:2]).logits
-    peft_model.save_pretrained(tmp_path / "adapter")
-    reloaded = PeftModel.from_pretrained(fresh_base(), tmp_path / "adapter").eval()
-    merged = reloaded.merge_and_unload()
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(blocks[:2]).logits, trained, atol=1e-5, rtol=0)
-        torch.testing.assert_close(merged(blocks[:2]).logits, trained, atol=1e-4, rtol=0)
 
 
 def test_convert_aux_rounds_writes_the_field_and_keeps_parity(tmp_path):

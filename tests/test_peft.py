@@ -38,7 +38,11 @@ def test_lora_on_dense_model_adapts_mlp_linears():
     assert all(isinstance(getattr(mlp, name), LoraLayer) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"num_experts": 0}], ids=["moe", "dense"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_experts": 0}, {"aux_num_rounds": 2, "aux_adapter_rank": 4}],
+    ids=["moe", "dense", "round_gates_and_aux_adapters"],
+)
 def test_lora_adapter_round_trip_and_merge(tmp_path, overrides):
     byte_model(**overrides).save_pretrained(tmp_path / "base")
     fresh_base = lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()  # noqa: E731
@@ -56,11 +60,17 @@ def test_lora_adapter_round_trip_and_merge(tmp_path, overrides):
     # Training moved every kind of adapted weight: LoRA, aux embedding and couplings all change the predictions.
     assert (trained.logits - untouched.logits).abs().max() > 1e-3
     assert (trained.primary_logits - untouched.primary_logits).abs().max() > 1e-3
-    couplings = [
-        layer.aux_coupling.modules_to_save.default.weight for layer in peft_model.get_base_model().model.layers
-    ]
-    assert all(coupling.abs().max() > 0 for coupling in couplings)
-    peft_model.save_pretrained(tmp_path / "adapter")  # plain PEFT: the couplings travel in modules_to_save
+    # Every aux parameter (embedding, couplings, and round gates / aux adapters where built) has a trained copy.
+    untrained = fresh_base()
+    original = dict(untrained.named_parameters())
+    copies = {
+        name.removeprefix("base_model.model.").replace(".modules_to_save.default", ""): parameter
+        for name, parameter in peft_model.named_parameters()
+        if ".modules_to_save.default." in name
+    }
+    assert copies.keys() == set(untrained.aux_parameter_names())
+    assert all(not torch.equal(copy, original[name]) for name, copy in copies.items())
+    peft_model.save_pretrained(tmp_path / "adapter")  # plain PEFT: the aux modules travel in modules_to_save
 
     reloaded = PeftModel.from_pretrained(fresh_base(), tmp_path / "adapter").eval()
     assert isinstance(reloaded, PeftModel)
