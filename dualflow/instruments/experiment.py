@@ -26,6 +26,7 @@ from modeling_dualflow import DualFlowConfig
 
 from ..errors import DualFlowUserError
 from .data import check_data_files, read_byte_tokens, split_files, spread_blocks, stdlib_source_files
+from .tables import text_table
 from .tiny_lm import TinyScale, mean_token_nll, mean_token_nlls, tiny_moe_config, train_language_model
 
 
@@ -394,14 +395,6 @@ def format_error(stats: dict | None, digits: int = 4, sign: bool = True) -> str:
     return mean if stats["n"] < 2 else f"{mean} ± {stats['se']:.{digits}f}"
 
 
-def format_rows(header: list[str], rows: list[list[str]]) -> str:
-    """A plain-text table, columns padded to their widest cell."""
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-    lines = [" | ".join(text.ljust(width) for text, width in zip(row, widths)) for row in [header] + rows]
-    lines.insert(1, "-+-".join("-" * width for width in widths))
-    return "\n".join(lines)
-
-
 def format_table(arms: list[dict]) -> str:
     header = [
         "arm",
@@ -429,7 +422,7 @@ def format_table(arms: list[dict]) -> str:
                 str(arm["decode_experts_per_token"]),
             ]
         )
-    return format_rows(header, rows)
+    return text_table(header, rows)
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -662,9 +655,14 @@ def run(args) -> int:
         f"tokens; Δ: paired by seed, ± = standard error over {num_seeds} seed(s). "
         f"Total {report['wall_s_total'] / 60:.1f} min."
     )
+    print_footer(skipped, [out / "experiment.json", out / "loss_curves.png", out / "frontier.png"], args.quick)
+    return 0
+
+
+def print_footer(skipped: list[str], written: list[Path], quick: bool) -> None:
+    """What was left out, what was written, and the --quick warning: the last lines of both regimes."""
     if skipped:
         print(f"left out (this model version lacks their config fields): {', '.join(skipped)}")
-    print(f"wrote {out / 'experiment.json'}, {out / 'loss_curves.png'}, {out / 'frontier.png'}")
-    if args.quick:
+    print(f"wrote {', '.join(map(str, written))}")
+    if quick:
         print("--quick: far too few steps to conclude anything; run without --quick for the real comparison.")
-    return 0

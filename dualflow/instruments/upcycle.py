@@ -26,11 +26,12 @@ from ..lora import add_lora
 from .experiment import (
     command_line,
     format_error,
-    format_rows,
     load_corpus,
     mean_and_error,
     paired_differences,
+    print_footer,
 )
+from .tables import text_table
 from .tiny_lm import TinyScale, mean_token_nll, mean_token_nlls, tiny_moe_config, train_language_model, train_model
 
 
@@ -195,7 +196,7 @@ def format_table(summary: list[dict], base: dict) -> str:
                 f"{entry['tokens_per_s']:.0f}",
             ]
         )
-    return format_rows(header, rows)
+    return text_table(header, rows)
 
 
 def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
@@ -239,9 +240,5 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
         f"prediction = aux flow for dual recipes; Δ paired by seed, ± = standard error over {num_seeds} seed(s); "
         f"pretrain {scale.steps} steps, continue {continue_steps} steps. Total {report['wall_s_total'] / 60:.1f} min."
     )
-    if skipped:
-        print(f"left out (this model version lacks their config fields): {', '.join(skipped)}")
-    print(f"wrote {out / 'upcycle.json'}")
-    if args.quick:
-        print("--quick: far too few steps to conclude anything; run without --quick for the real comparison.")
+    print_footer(skipped, [out / "upcycle.json"], args.quick)
     return 0
