@@ -12,7 +12,10 @@ from .errors import DualFlowUserError
 
 # name: (module, one-line help)
 COMMANDS = {
-    "demo": ("dualflow.instruments.demo", "build, convert, generate and compare a tiny MoE (under a minute, offline)"),
+    "demo": (
+        "dualflow.instruments.demo",
+        "build, convert, generate and compare a tiny MoE (offline; 2-3 minutes on a busy 2-core CPU)",
+    ),
     "convert": ("dualflow.convert.cli", "upcycle a transformers checkpoint into a Dual-Flow checkpoint"),
     "finetune": (
         "dualflow.finetune",
