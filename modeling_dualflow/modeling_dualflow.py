@@ -37,6 +37,10 @@ from .cache_dualflow import DualFlowCache
 from .configuration_dualflow import DualFlowConfig
 
 
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`; this file runs on both.
+CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
 class DualFlowRMSNorm(LlamaRMSNorm):
     pass
 
@@ -142,7 +146,7 @@ class DualFlowAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         is_causal: bool | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         primary_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
@@ -160,8 +164,8 @@ class DualFlowAttention(nn.Module):
             key_states = self._project(primary, self.k_proj, k_norm)
             value_states = self._project(primary, self.v_proj, None)
             key_states = apply_rotary(key_states, cos[:, :num_primary], sin[:, :num_primary])
-            if past_key_values is not None:
-                key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+            if cache is not None:
+                key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         else:
             key_states, value_states = primary_key_values
 
@@ -334,7 +338,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         is_causal: bool | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         aux_top_k: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -358,7 +362,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             is_causal=is_causal,
-            past_key_values=past_key_values,
+            cache=cache,
             primary_key_values=(primary_keys, primary_values) if extra_round else None,
             **kwargs,
         )
@@ -381,7 +385,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
 @dataclass
 class DualFlowModelOutputWithPast(MoeModelOutputWithPast):
     r"""
-    last_hidden_state, hidden_states, attentions, router_logits, past_key_values:
+    last_hidden_state, hidden_states, attentions, router_logits, past_key_values (`cache` from transformers 5.24):
         The primary flow's, exactly as a Qwen3-MoE model of the same config returns them (`hidden_states[-1]` is the
         final-normed state; `router_logits` is `None` for a dense model).
     aux_last_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_aux_positions, hidden_size)`, *optional*):
@@ -435,7 +439,7 @@ class DualFlowPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DualFlowDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = True
     # Flash / flex kernels cannot take the stacked [primary; aux] query rows with a copied mask row.
     _supports_flash_attn = False
@@ -593,6 +597,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowModelOutputWithPast:
         r"""
@@ -605,12 +610,14 @@ class DualFlowModel(DualFlowPreTrainedModel):
             Expert top-k of the aux flow for this call; defaults to `config.aux_num_experts_per_tok`.
         aux_num_rounds (`int`, *optional*):
             Passes of the aux flow through the layers for this call; defaults to `config.aux_num_rounds`.
+        cache (`Cache`, *optional*):
+            `past_key_values` under the name transformers uses from 5.24 on (either works).
         """
         stacked = self._stacked_forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=past_key_values if cache is None else cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             aux_positions=aux_positions,
@@ -642,7 +649,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_last_hidden_state = aux_hidden_states = aux_attentions = aux_router_logits = None
         return DualFlowModelOutputWithPast(
             last_hidden_state=last_hidden_state,
-            past_key_values=stacked.past_key_values,
+            **{CACHE_FIELD: getattr(stacked, CACHE_FIELD)},
             hidden_states=hidden_states,
             attentions=attentions,
             router_logits=router_logits,
@@ -659,7 +666,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
         aux_positions: torch.LongTensor | None = None,
@@ -669,7 +676,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeModelOutputWithPast:
         """The layers over the stacked rows `[primary (T); aux (P)]`; every recorded output covers both flows."""
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        past_length = cache.get_seq_length() if cache is not None else 0
         self._check_inputs(input_ids, inputs_embeds, aux_inputs_embeds, attention_mask, past_length)
         aux_top_k = self.config.aux_num_experts_per_tok if aux_num_experts_per_tok is None else aux_num_experts_per_tok
         if aux_num_experts_per_tok is not None and not self.config.num_experts:
@@ -687,8 +694,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 "convert with --aux-rounds"
             )
 
-        if use_cache and past_key_values is None:
-            past_key_values = DualFlowCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DualFlowCache(config=self.config)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         num_primary = inputs_embeds.shape[1]
@@ -696,13 +703,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
             position_ids = torch.arange(num_primary, device=inputs_embeds.device).unsqueeze(0) + past_length
 
         mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
-        primary_mask = mask_function(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-        )
+        # the cache goes by position: its keyword is `cache` from transformers 5.24 on, `past_key_values` before
+        primary_mask = mask_function(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
 
         hidden_states = inputs_embeds
         row_positions = position_ids
@@ -716,7 +718,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
             # `.to`: a device_map may put the two embedding tables on different devices.
             hidden_states = torch.cat([inputs_embeds, aux_embeds.to(inputs_embeds.device)], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
-        kv_length = past_key_values.get_mask_sizes(num_primary, 0)[0] if past_key_values is not None else num_primary
+        kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
         grouped_mask, is_causal = self._grouped_attention_mask(
             primary_mask, num_primary, aux_positions, past_length, kv_length
         )
@@ -733,7 +735,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 attention_mask=grouped_mask,
                 position_embeddings=position_embeddings,
                 is_causal=is_causal,
-                past_key_values=past_key_values,
+                cache=cache,
                 aux_top_k=aux_top_k,
                 **kwargs,
             )
@@ -753,7 +755,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
             )
             hidden_states = torch.cat([hidden_states[:, :num_primary], aux_states], dim=1)
 
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_FIELD: cache})
 
 
 def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bool:
@@ -841,7 +843,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         # transformers builds a plain DynamicCache (for an assistant model, one that records its past so it can be
         # cropped). DualFlowCache only adds methods, no state: re-type that very cache so everything set up stays.
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_FIELD)
         if type(cache) is DynamicCache:
             cache.__class__ = DualFlowCache
 
@@ -868,6 +870,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowCausalLMOutputWithPast:
         r"""
@@ -882,6 +885,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         aux_num_rounds (`int`, *optional*):
             Passes of the aux flow through the layers for this call; defaults to `config.aux_num_rounds`. Values
             above 1 need a model built with `aux_num_rounds` > 1 (it holds the round gates).
+        cache (`Cache`, *optional*):
+            `past_key_values` under the name transformers uses from 5.24 on (either works).
         """
         output_router_logits = (
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
@@ -897,7 +902,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=past_key_values if cache is None else cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
@@ -948,7 +953,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             aux_loss=aux_loss,
             logits=logits,
             primary_logits=primary_logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits,

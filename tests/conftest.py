@@ -54,6 +54,11 @@ def tiny_model(seed: int = 0, random_coupling: bool = True, attn_implementation:
     return model
 
 
+def enable_activation_checkpointing(model, checkpoint_kwargs: dict | None = None):
+    """transformers 5.23 renamed `gradient_checkpointing_enable` (the old name warns there); 5.19-5.22 have only it."""
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)(checkpoint_kwargs)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ training and tensor / expert parallel inference under torchrun with gloo on CPU 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
-from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from modeling_dualflow import DualFlowCache, DualFlowForCausalLM
@@ -94,8 +94,8 @@ def test_device_map_offload_matches_unsplit_model(tmp_path, placement, remote_co
 def test_parallel_plans_name_real_modules():
     """Every TP / EP / FSDP / PP rule names a module or parameter of a model that has every optional part."""
     model = tiny_model(qk_norm="per_head", shared_expert_intermediate_size=16, mlp_only_layers=[0])
-    names = {replace_layer_number_by_wildcard(name) for name, _ in model.named_modules()}
-    names |= {replace_layer_number_by_wildcard(name) for name, _ in model.named_parameters()}
+    named = [*model.named_modules(), *model.named_parameters()]
+    names = {re.sub(r"\.\d+\.", ".*.", name + ".")[:-1] for name, _ in named}  # layers.0.mlp -> layers.*.mlp
     config = model.config
     base_plans = (config.base_model_tp_plan, config.base_model_ep_plan, config.base_model_fsdp_plan)
     for plan in (*base_plans, config.base_model_pp_plan):
@@ -171,7 +171,8 @@ TP_CASES = [
 def test_tensor_and_expert_parallel_match_single_process(tmp_path):
     cases = []
     for name, overrides in TP_CHECKPOINTS.items():
-        tiny_model(**overrides).save_pretrained(tmp_path / name)
+        # an even vocabulary: transformers 5.19 shards the gathered LM head only when the TP size divides it
+        tiny_model(vocab_size=98, **overrides).save_pretrained(tmp_path / name)
     for case in TP_CASES:
         cases.append(dict(case, path=str(tmp_path / case["checkpoint"])))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -182,9 +183,11 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
     for name, result in results.items():
         assert result["logits_max_diff"] <= 1e-5 and result["primary_logits_max_diff"] <= 1e-5, (name, result)
         assert result["same_greedy_tokens"], name
-        # attention heads split over the 2 ranks; the aux flow's own weights replicated
+        # attention heads split over the 2 ranks
         assert 2 * result["local_q_proj_rows"] == result["full_q_proj_rows"], name
-        assert result["num_aux_parameters"] > 0 and result["sharded_aux_parameters"] == [], name
+        assert result["num_aux_parameters"] > 0
+        if name.endswith("_tp") or name == "moe_tp_remote_code":  # the aux flow's own weights replicated under TP
+            assert result["sharded_aux_parameters"] == [], name
     assert results["moe_tp_remote_code"]["module"].startswith("transformers_modules")
     assert results["moe_tp"]["local_experts"] == 4  # TP splits every expert's matrices
     assert results["moe_ep"]["local_experts"] == results["moe_ep_eager_experts"]["local_experts"] == 2  # EP: 2 of 4

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_model
+from conftest import enable_activation_checkpointing, tiny_config, tiny_model
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -486,8 +486,8 @@ class TestOutputsAndLoss:
         grads = []
         for checkpointing in (False, True):
             model = tiny_model().train()
-            if checkpointing:  # transformers < 5.23 names it gradient_checkpointing_enable
-                getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+            if checkpointing:
+                enable_activation_checkpointing(model)
             input_ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(0))
             model(input_ids, labels=input_ids).loss.backward()
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})

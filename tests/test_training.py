@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import enable_activation_checkpointing, tiny_model
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
 from dualflow.cli import main as cli_main
@@ -117,7 +117,7 @@ def test_gradient_checkpointing_matches_plain_gradients(num_experts):
     for checkpointing in (False, True):
         model = byte_model(num_experts=num_experts, output_router_logits=True).train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
         model(blocks, labels=blocks).loss.backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
     assert all(grad is not None for grad in grads[1].values())
