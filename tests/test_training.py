@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import enable_activation_checkpointing, tiny_model
-from transformers import AutoModelForCausalLM, ByT5Tokenizer
+from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
 from dualflow.cli import main as cli_main
 from dualflow.finetune import make_trainer, pack_blocks, split_blocks
@@ -190,8 +190,9 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     data.write_text(stdlib_text("textwrap.py", chars=6000), encoding="utf-8")
     common = ("--block-size", 32, "--batch-size", 4, "--max-steps", 4, "--lr", 1e-2)
 
-    # Trainer's own flags (HfArgumentParser), in both spellings.
-    trainer_flags = ("--activation-checkpointing", "--lr_scheduler_type", "constant", "--weight-decay", 0.01)
+    # Trainer's own flags (HfArgumentParser), in both spellings; transformers 5.23 renamed gradient_checkpointing.
+    checkpointing = "activation" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient"
+    trainer_flags = (f"--{checkpointing}-checkpointing", "--lr_scheduler_type", "constant", "--weight-decay", 0.01)
     assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "full", *trainer_flags, *common) == 0
     output = capsys.readouterr().out
     before, after = printed_nll(output, "before"), printed_nll(output, "after")
