@@ -39,7 +39,7 @@ class DualFlowConfig(PreTrainedConfig):
     """
 
     model_type = "dualflow"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # "cache" from transformers 5.24 on
     default_theta = 10000.0
 
     base_model_tp_plan = {
