@@ -27,21 +27,24 @@ AUX_MODULES = [
 ]
 
 
-def dualflow_lora_config(config, r: int = 16, lora_alpha: int = 32) -> LoraConfig:
-    """LoRA on attention, MLP and (MoE) fused expert weights; the aux flow's own modules are trained in full."""
+def dualflow_lora_config(config, r: int = 16, lora_alpha: int = 32, train_aux_modules: bool = True) -> LoraConfig:
+    """
+    LoRA on attention, MLP and (MoE) fused expert weights; the aux flow's own modules are trained in full unless
+    `train_aux_modules` is False (LoRA on a model served as a single flow).
+    """
     return LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
         target_modules=ATTENTION_PROJECTIONS + MLP_PROJECTIONS,
         target_parameters=FUSED_EXPERT_PARAMETERS if config.num_experts else None,
-        modules_to_save=AUX_MODULES,
+        modules_to_save=AUX_MODULES if train_aux_modules else None,
         task_type="CAUSAL_LM",
     )
 
 
-def add_lora(model, r: int = 16, lora_alpha: int = 32) -> PeftModel:
+def add_lora(model, r: int = 16, lora_alpha: int = 32, train_aux_modules: bool = True) -> PeftModel:
     """Wrap `model` with LoRA as configured by `dualflow_lora_config`."""
     with warnings.catch_warnings():
         # peft reads transformers' deprecated `is_gradient_checkpointing` alias: a FutureWarning the user cannot act on.
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha))
+        return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha, train_aux_modules))

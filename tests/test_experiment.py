@@ -10,6 +10,7 @@ import torch
 
 from dualflow.cli import main
 from dualflow.errors import DualFlowUserError
+from dualflow.instruments.aux_design import COUPLING_FORMS, apply_aux_design
 from dualflow.instruments.data import read_byte_tokens, spread_blocks
 from dualflow.instruments.experiment import (
     ARMS_BY_NAME,
@@ -156,7 +157,8 @@ def test_upcycle_quick_path_pairs_recipes_with_the_converted_base(tmp_path, caps
         # convert's exact-parity guarantee: at k_a = k_p the untrained aux flow is the saved Qwen3-MoE model
         assert base["aux_val_loss_at_conversion_ka1x"] == pytest.approx(base["primary_val_loss"], abs=1e-5)
         assert base["aux_val_loss_at_conversion_ka2x"] != pytest.approx(base["primary_val_loss"], abs=1e-5)
-    for name in ("dual aux-only ka=kp", "dual aux-only ka=2kp"):  # frozen shared weights: the primary flow is the base
+    frozen_shared = ("dual aux-only ka=kp", "dual aux-only ka=2kp", "dual aux-only+adapters ka=2kp")
+    for name in frozen_shared:  # frozen shared weights: the primary flow is the base
         primaries = [run["primary_val_loss"] for run in recipes[name]["runs"]]
         assert primaries == pytest.approx([run["primary_val_loss"] for run in report["base"]["runs"]], abs=1e-6)
     full, single, aux_only = (
@@ -164,7 +166,34 @@ def test_upcycle_quick_path_pairs_recipes_with_the_converted_base(tmp_path, caps
     )
     assert full == single + aux_only and aux_only < recipes["dual lora+aux ka=kp"]["trainable_params"] < single
     assert recipes["single continued"]["prediction_vs_single_continued"]["mean"] == 0
+    # the same-budget LoRA: its rank spends about the adapter recipe's trainable parameters, on the single flow
+    budget = recipes["dual aux-only+adapters ka=kp"]["trainable_params"]
+    lora = recipes["single lora, adapter budget"]
+    per_rank = lora["trainable_params"] / lora["runs"][0]["lora_rank"]
+    assert abs(lora["trainable_params"] - budget) <= per_rank / 2 and lora["aux_val_loss"] is None
     assert all(name in printed for name in recipes)
+
+
+@pytest.mark.parametrize("design", [{"coupling_form": form} for form in COUPLING_FORMS] + [{"round_gate_init": 1.0}])
+def test_design_variants_train_their_own_parameters(design):
+    torch.manual_seed(0)
+    config = ARMS_BY_NAME["dual kp2 ka4"].model_config(QUICK_SCALE)
+    config.aux_num_rounds = 2
+    model = DualFlowForCausalLM(config)
+    input_ids = torch.randint(0, 256, (2, 12))
+    today = model(input_ids).logits
+    apply_aux_design(model, **design)
+    logits = model(input_ids).logits
+    if "coupling_form" in design:  # a new coupling form starts where today's does: adding nothing
+        torch.testing.assert_close(logits, today)
+    else:  # an open gate: the second round acts from the first step
+        assert (logits - today).abs().max() > 1e-3
+    model(input_ids, labels=input_ids).loss.backward()
+    changed = "aux_coupling" if "coupling_form" in design else "aux_round_gate"
+    grads = {name: p.grad for name, p in model.named_parameters() if changed in name}
+    assert grads and all(grad is not None for grad in grads.values())
+    # a zero-initialised up-projection gives its down-projection no gradient at the first step, as in LoRA
+    assert all(grad.abs().sum() > 0 for name, grad in grads.items() if not name.endswith("down"))
 
 
 def test_torch_default_init_follows_pytorch_layer_defaults():

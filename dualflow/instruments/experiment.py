@@ -61,16 +61,15 @@ QUICK_SCALE = replace(
 )
 DEFAULT_SEEDS = 6
 MAX_TRAIN_TOKENS = 20_000_000
-# How an arm's training may differ from the baseline's: scale fields, or these three.
-TRAINING_KEYS = {"depth_factor", "token_factor", "copy_aux_embedding"} | set(TinyScale.__dataclass_fields__)
+DESIGN_KEYS = {"copy_aux_embedding", "coupling_form", "round_gate_init"}  # apply_aux_design's arguments
 
 
 @dataclass(frozen=True)
 class Arm:
     """
     One model to train. `config`: `DualFlowConfig` fields over the scale's (top-k, aux flow on, ...). `training`:
-    `depth_factor` (x layers), `token_factor` (x steps), `copy_aux_embedding` (aux embedding starts as the primary's),
-    or any `TinyScale` field (e.g. `init`).
+    `depth_factor` (x layers), `token_factor` (x steps), a design variant (`DESIGN_KEYS`, see
+    `aux_design.apply_aux_design`), or any `TinyScale` field (e.g. `init`).
     """
 
     name: str
@@ -129,6 +128,18 @@ ARMS = (
     dual(2, 4, "aux emb copied", "design: aux embedding starts as the primary's", {"copy_aux_embedding": True}),
     dual(2, 4, "plw 0.5", "design: primary_loss_weight 0.5", primary_loss_weight=0.5),
     dual(2, 4, "plw 2", "design: primary_loss_weight 2", primary_loss_weight=2.0),
+    dual(2, 4, "coupling normed", "design: gain on the normed primary state", {"coupling_form": "normed gain"}),
+    dual(
+        2, 4, "coupling rank 8", "design: gain + a rank-8 map of the primary state", {"coupling_form": "gain + rank 8"}
+    ),
+    dual(
+        2,
+        4,
+        "r2 gate 1",
+        "design: 2 rounds, the extra round's gate starting at 1 instead of 0 (issue 13)",
+        {"round_gate_init": 1.0},
+        aux_num_rounds=2,
+    ),
 )
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
 DEPTH_ARM = "single k2 2x depth"
@@ -303,7 +314,7 @@ def train_and_score(arm: Arm, scale: TinyScale, seed: int, train_tokens=None, va
         seed,
         steps=steps,
         show_progress=False,
-        copy_aux_embedding=arm.training.get("copy_aux_embedding", False),
+        aux_design={key: value for key, value in arm.training.items() if key in DESIGN_KEYS},
     )
     train_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     tokens = steps * scale.batch_size * scale.block_size

@@ -11,6 +11,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 from modeling_dualflow.modeling_dualflow import DualFlowExperts, DualFlowRouter
 
+from .aux_design import apply_aux_design
 from .data import BYTE_VOCAB_SIZE, random_batch
 
 
@@ -113,23 +114,22 @@ def train_language_model(
     steps: int | None = None,
     desc: str = "train",
     show_progress: bool = True,
-    copy_aux_embedding: bool = False,
+    aux_design: dict | None = None,
 ) -> tuple[DualFlowForCausalLM, list[float]]:
     """
     Train from scratch; returns (model in eval mode, per-step training NLL of the prediction). The loss is the model's
     own (from labels): CE(prediction) (+ primary_loss_weight * CE(primary) with the aux flow on) + router balance loss. The seed
     fixes both the initial weights and the sequence of batches, so arms with equal seeds see the same data.
-    `copy_aux_embedding` starts the aux embedding as a copy of the primary one (as upcycling does) instead of its own
-    draw.
+    `aux_design`: keyword arguments of `aux_design.apply_aux_design` (a design variant of the aux flow), applied after
+    the init.
     """
     steps = steps or scale.steps
     torch.manual_seed(seed)
     model = DualFlowForCausalLM(config)
     if scale.init == "torch":
         torch_default_init(model)
-    if copy_aux_embedding:
-        with torch.no_grad():
-            model.model.aux_embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    if aux_design:
+        apply_aux_design(model, **aux_design)
     return model, train_model(model, train_tokens, scale, seed, steps, desc, show_progress)
 
 

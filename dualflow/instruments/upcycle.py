@@ -39,14 +39,21 @@ SCHEMA = "dualflow-upcycle/1"
 CONTINUE_SEED_OFFSET = 10_000  # continued training draws batches the pretraining never drew in that order
 
 
+ADAPTER_RANK = 16  # the prototype's rank
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """How to continue: `aux_factor` None = single flow, else k_a = aux_factor * k_p; `train` = all / aux / lora."""
+    """
+    How to continue: `aux_factor` None = single flow, else k_a = aux_factor * k_p; `train` = all / aux / lora.
+    `lora_rank` None (with train = lora): the rank whose trainable parameters match the aux-adapter recipe's.
+    """
 
     name: str
     aux_factor: int | None
     train: str
     config: dict = field(default_factory=dict)
+    lora_rank: int | None = 16
 
     def missing_config_fields(self) -> list[str]:
         known = DualFlowConfig().to_dict()
@@ -55,17 +62,35 @@ class Recipe:
 
 RECIPES = (
     Recipe("single continued", None, "all"),
+    # What a user could do with the aux adapters' parameter budget without Dual-Flow.
+    Recipe("single lora, adapter budget", None, "lora", lora_rank=None),
     Recipe("dual full ka=kp", 1, "all"),
     Recipe("dual full ka=2kp", 2, "all"),
     Recipe("dual aux-only ka=kp", 1, "aux"),
     Recipe("dual aux-only ka=2kp", 2, "aux"),
     Recipe("dual lora+aux ka=kp", 1, "lora"),
     Recipe("dual lora+aux ka=2kp", 2, "lora"),
-    # Issue 14's aux adapters join once the model has the field.
-    Recipe("dual aux-only+adapters ka=kp", 1, "aux", {"aux_adapter_rank": 16}),
-    Recipe("dual aux-only+adapters ka=2kp", 2, "aux", {"aux_adapter_rank": 16}),
+    Recipe("dual aux-only+adapters ka=kp", 1, "aux", {"aux_adapter_rank": ADAPTER_RANK}),
+    Recipe("dual aux-only+adapters ka=2kp", 2, "aux", {"aux_adapter_rank": ADAPTER_RANK}),
 )
 BASELINE = RECIPES[0].name
+
+
+def trainable_parameters(model) -> int:
+    return sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+
+
+def adapter_budget_lora_rank(folder: Path) -> int:
+    """The LoRA rank on the single-flow model of `folder` whose trainable parameters come closest to the aux-adapter
+    recipe's (aux embedding, couplings and rank-`ADAPTER_RANK` adapters); LoRA's count is linear in the rank."""
+    config = DualFlowConfig.from_pretrained(folder)
+    budget = trainable_parameters(
+        DualFlowForCausalLM(
+            DualFlowConfig.from_pretrained(folder, aux_adapter_rank=ADAPTER_RANK)
+        ).freeze_for_aux_training()
+    )
+    per_rank = trainable_parameters(add_lora(DualFlowForCausalLM(config), r=1, train_aux_modules=False))
+    return max(1, round(budget / per_rank))
 
 
 def save_as_qwen3_moe(model: DualFlowForCausalLM, folder: Path) -> Path:
@@ -103,14 +128,15 @@ def save_as_qwen3_moe(model: DualFlowForCausalLM, folder: Path) -> Path:
 def trainable_model(recipe: Recipe, folder: Path):
     """Load the converted checkpoint for `recipe` and leave exactly its parameters trainable."""
     model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=recipe.aux_factor is not None, **recipe.config)
+    if recipe.train == "lora":
+        rank = recipe.lora_rank or adapter_budget_lora_rank(folder)
+        return add_lora(model, r=rank, lora_alpha=2 * rank, train_aux_modules=recipe.aux_factor is not None)
     if recipe.aux_factor is None:  # single flow: the aux parameters exist but take no part
         aux = set(model.aux_parameter_names())
         for name, parameter in model.named_parameters():
             parameter.requires_grad_(name not in aux)
     elif recipe.train == "aux":
         model.freeze_for_aux_training()
-    elif recipe.train == "lora":
-        model = add_lora(model)
     return model
 
 
@@ -141,13 +167,17 @@ def upcycle_seed(recipes, scale: TinyScale, continue_steps: int, seed: int, trai
             ]
         for recipe in recipes:
             model = trainable_model(recipe, converted[recipe.aux_factor or 1])
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             train_model(model, train_tokens, scale, seed + CONTINUE_SEED_OFFSET, continue_steps, show_progress=False)
-            train_s = time.perf_counter() - start
+            train_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+            tokens = continue_steps * scale.batch_size * scale.block_size
             result[recipe.name] = {
                 "seed": seed,
-                "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                "tokens_per_s": continue_steps * scale.batch_size * scale.block_size / train_s,
+                "trainable_params": trainable_parameters(model),
+                **({"lora_rank": model.peft_config["default"].r} if recipe.train == "lora" else {}),
+                # CPU seconds too: on a shared machine the wall clock also counts other processes' turns.
+                "tokens_per_s": tokens / train_s,
+                "tokens_per_cpu_s": tokens / cpu_s,
                 **losses(model, val_blocks, dual=recipe.aux_factor is not None),
             }
     return result
@@ -164,7 +194,8 @@ def summarize(recipes, per_seed: list[dict]) -> list[dict]:
         key = "aux_val_loss" if recipe.aux_factor else "primary_val_loss"
         entry = {"name": recipe.name, **asdict(recipe), "runs": runs}
         entry["trainable_params"] = runs[0]["trainable_params"]
-        entry["tokens_per_s"] = statistics.median(run["tokens_per_s"] for run in runs)
+        for speed in ("tokens_per_s", "tokens_per_cpu_s"):
+            entry[speed] = statistics.median(run[speed] for run in runs)
         for loss in ("aux_val_loss", "primary_val_loss"):
             values = [run[loss] for run in runs if run[loss] is not None]
             entry[loss] = mean_and_error(values) if values else None
@@ -181,7 +212,7 @@ def summarize(recipes, per_seed: list[dict]) -> list[dict]:
 
 def format_table(summary: list[dict], base: dict) -> str:
     header = ["recipe", "prediction val loss", "Δ vs single continued", "Δ vs base", "primary Δ vs single continued"]
-    header += ["trainable params", "train tok/s"]
+    header += ["trainable params", "train tok/s (wall / CPU)"]
     rows = [["base (pretrained)", f"{base['mean']:.4f}", "-", "-", "-", "-", "-"]]
     for entry in summary:
         loss = entry["aux_val_loss"] or entry["primary_val_loss"]
@@ -193,7 +224,7 @@ def format_table(summary: list[dict], base: dict) -> str:
                 format_error(entry["prediction_vs_base"]),
                 format_error(entry["primary_vs_single_continued"]),
                 f"{entry['trainable_params']:,}",
-                f"{entry['tokens_per_s']:.0f}",
+                f"{entry['tokens_per_s']:.0f} / {entry['tokens_per_cpu_s']:.0f}",
             ]
         )
     return text_table(header, rows)

@@ -1,0 +1,61 @@
+"""
+Design variants of the aux flow that `dualflow experiment --arms design` trains from scratch (issue 11 item 3). Each
+changes one thing of a freshly initialised model before training. They live here, not in the model files: a variant
+becomes a `DualFlowConfig` field only once it wins (docs/results/README.md says which did).
+"""
+
+import torch
+from torch import nn
+
+from modeling_dualflow import DualFlowForCausalLM
+
+
+class NormedGainCoupling(nn.Module):
+    """c_l * rmsnorm(h_l): the per-channel gain on the *normalised* primary state, so its scale does not grow with depth."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, primary_states: torch.Tensor) -> torch.Tensor:
+        variance = primary_states.float().pow(2).mean(-1, keepdim=True)
+        normed = (primary_states.float() * torch.rsqrt(variance + self.eps)).to(primary_states.dtype)
+        return self.weight * normed
+
+
+class LowRankCoupling(nn.Module):
+    """c_l * h_l + B A h_l: today's gain plus a rank-`rank` map that can mix channels (B zero, so it starts as today)."""
+
+    def __init__(self, hidden_size: int, rank: int = 8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.down = nn.Parameter(torch.randn(rank, hidden_size) * hidden_size**-0.5)
+        self.up = nn.Parameter(torch.zeros(hidden_size, rank))
+
+    def forward(self, primary_states: torch.Tensor) -> torch.Tensor:
+        return self.weight * primary_states + primary_states @ self.down.T @ self.up.T
+
+
+COUPLING_FORMS = {"normed gain": NormedGainCoupling, "gain + rank 8": LowRankCoupling}
+
+
+@torch.no_grad()
+def apply_aux_design(
+    model: DualFlowForCausalLM,
+    copy_aux_embedding: bool = False,
+    coupling_form: str | None = None,
+    round_gate_init: float | None = None,
+) -> None:
+    """
+    `copy_aux_embedding`: the aux embedding starts as the primary one (as upcycling does) instead of its own draw;
+    `coupling_form`: a key of `COUPLING_FORMS` replaces every layer's coupling; `round_gate_init`: the extra aux
+    rounds' gates start at this value instead of 0 (1 = no gate at the start).
+    """
+    if copy_aux_embedding:
+        model.model.aux_embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    for layer in model.model.layers:
+        if coupling_form is not None:
+            layer.aux_coupling = COUPLING_FORMS[coupling_form](model.config.hidden_size)
+        if round_gate_init is not None:
+            layer.aux_round_gate.weight.fill_(round_gate_init)
