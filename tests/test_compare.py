@@ -30,6 +30,18 @@ def test_compare_cli_on_a_checkpoint_folder(tmp_path, capsys):
     assert "single top-k=4" in printed and "two-pass" in printed
 
 
+def test_compare_cli_reports_the_decode_cost_of_each_aux_round(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    argv = ["compare", "--aux-rounds", "2", "--train-steps", "2", "--data", str(SMALL_TEXT_FILE)]
+    argv += ["--prompt-lengths", "8", "--batch", "1", "--decode-tokens", "2", "--repeats", "1", "--eval-tokens", "64"]
+    assert main(argv + ["--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["aux_num_rounds"] == 2 and "dual-flow r1" in report["variants"]
+    assert "two-pass" not in report["variants"]  # the two-pass execution walks the layers once for the aux flow
+    assert set(report["decode_ms_per_aux_round"]) == {"1"}
+    assert "decode time per step added by each aux round after the first: batch 1:" in capsys.readouterr().out
+
+
 def test_compare_cli_bad_input_is_one_line(tmp_path, capsys):
     folder = tmp_path / "byte-model"
     tiny_model(vocab_size=256).save_pretrained(folder)
@@ -40,6 +52,7 @@ def test_compare_cli_bad_input_is_one_line(tmp_path, capsys):
         ([str(folder), "--prompt-lengths", "8,x"], "expected comma-separated integers"),
         ([str(folder), "--prompt-lengths", "4096"], "exceeds max_position_embeddings=128"),
         ([str(folder), "--data", str(tmp_path / "nope.txt")], "--data file not found"),
+        ([str(folder), "--aux-rounds", "2"], "--aux-rounds sets the built-in model's rounds"),
     ]
     capsys.readouterr()  # save_pretrained's progress bars
     for argv, message in cases:

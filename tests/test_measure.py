@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from conftest import tiny_model
 
@@ -9,6 +10,7 @@ from dualflow.instruments.measure import (
     SCHEMA,
     CompareSettings,
     compare_report,
+    decode_ms_per_aux_round,
     format_table,
     kv_cache_bytes,
     noisy_cells,
@@ -101,6 +103,15 @@ def synthetic_metrics(increases_mib: dict, decode_ranges: dict | None = None) ->
             "val_loss": 2.0,
         }
     return metrics
+
+
+def test_decode_time_per_aux_round():
+    metrics = synthetic_metrics({BASELINE: 0, "dual-flow": 0, "dual-flow r1": 0, "dual-flow r2": 0})
+    speeds = {BASELINE: 100.0, "dual-flow r1": 80.0, "dual-flow r2": 50.0, "dual-flow": 40.0}  # batch 1, tokens/s
+    for name, speed in speeds.items():
+        metrics[name]["decode_tokens_per_s"] = {"1": speed, "4": 4 * speed}
+    # 3 rounds: 25 ms per step, 1 round: 12.5 ms per step; two extra rounds add 12.5 ms, 6.25 ms each
+    assert decode_ms_per_aux_round(metrics, 3) == pytest.approx({"1": 6.25, "4": 6.25})
 
 
 def test_increase_row_is_the_same_for_the_same_situation():

@@ -32,6 +32,21 @@ def test_variant_losses_match_their_definitions():
     assert abs(losses["single top-k=4"] - losses[BASELINE]) > 1e-4  # routing to 4 experts changes the model
 
 
+def test_round_variants_run_fewer_aux_rounds():
+    model = routing_sensitive_model(aux_num_experts_per_tok=4, aux_num_rounds=3)
+    with torch.no_grad():
+        for layer in model.model.layers:  # open the round gates: extra rounds change the prediction
+            layer.aux_round_gate.weight.fill_(0.5)
+    blocks = torch.randint(0, model.config.vocab_size, (3, 10))
+    variants = {variant.name: variant for variant in build_variants(model)}
+    assert list(variants) == [BASELINE, "dual-flow", "dual-flow r1", "dual-flow r2", "single top-k=4"]
+    losses = {name: variant.nll(blocks, batch_size=2) for name, variant in variants.items()}
+    for rounds in (1, 2, 3):
+        name = "dual-flow" if rounds == 3 else f"dual-flow r{rounds}"
+        assert abs(losses[name] - hand_nll(model, blocks, use_aux_flow=True, aux_num_rounds=rounds)) < 1e-5
+    assert len({round(losses[name], 5) for name in ("dual-flow", "dual-flow r1", "dual-flow r2")}) == 3
+
+
 def test_with_top_k_shares_the_weights_and_routes_wider():
     model = routing_sensitive_model()
     twin = with_top_k(model, 3)

@@ -39,6 +39,11 @@ def build_parser(prog: str = "dualflow compare") -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats per timing (median; default 5)")
     parser.add_argument("--eval-tokens", type=int, default=2048, help="validation tokens scored (default 2048)")
     parser.add_argument("--train-steps", type=int, default=150, help="training steps of the built-in model")
+    parser.add_argument(
+        "--aux-rounds",
+        type=int,
+        help="aux rounds of the built-in model (default 1); a checkpoint has its own (dualflow convert --aux-rounds)",
+    )
     parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--json", help="write the report as JSON here")
@@ -53,6 +58,10 @@ def run(args) -> int:
         raise DualFlowUserError(f"--train-steps must be >= 1, got {args.train_steps}")
     if args.threads is not None and args.threads < 1:
         raise DualFlowUserError(f"--threads must be >= 1, got {args.threads}")
+    if args.aux_rounds is not None and (args.model or args.aux_rounds < 1):
+        raise DualFlowUserError(
+            "--aux-rounds sets the built-in model's rounds (>= 1); a checkpoint's come from its config"
+        )
     batch_sizes = _int_list(args.batch)
     prompt_lengths = _int_list(args.prompt_lengths or ("128,512,2048" if args.model else "64,256,1024"))
     if args.model:
@@ -83,7 +92,7 @@ def run(args) -> int:
         model, tokenizer = load_checkpoint(args.model)
         name = args.model
     else:
-        model, tokenizer = builtin_model(args.train_steps), None
+        model, tokenizer = builtin_model(args.train_steps, aux_rounds=args.aux_rounds or 1), None
         name = BUILTIN_NAME
     limit = model.config.max_position_embeddings
     if max(prompt_lengths) > limit:
@@ -106,6 +115,9 @@ def run(args) -> int:
         f"timings: medians of {settings.repeats} interleaved repeats; (ratio to primary-only, range of the per-repeat "
         f"ratios). prefill: batch 1. decode: {settings.decode_tokens} tokens after {settings.decode_prompt_length}"
     )
+    if report["decode_ms_per_aux_round"]:
+        per_round = ", ".join(f"batch {B}: {ms:.2f} ms" for B, ms in report["decode_ms_per_aux_round"].items())
+        print(f"decode time per step added by each aux round after the first: {per_round}")
     print(f"peak memory: {report['peak_memory_method']}")
     print(f"val loss: mean next-token NLL over {report['settings']['eval_tokens']} tokens of {len(data_names)} file(s)")
     if report["noisy_timings"]:

@@ -13,8 +13,9 @@ from .tiny_lm import TinyScale, tiny_moe_config, train_language_model
 DEFAULT_DATA_FILES = 4  # held-out stdlib files scored when no --data is given
 
 
-def builtin_model(steps: int, show_progress: bool = True) -> DualFlowForCausalLM:
-    """Tiny byte-level MoE (8 experts, k_p=2, k_a=4) briefly trained on stdlib code, so its losses mean something."""
+def builtin_model(steps: int, show_progress: bool = True, aux_rounds: int = 1) -> DualFlowForCausalLM:
+    """Tiny byte-level MoE (8 experts, k_p=2, k_a=4, `aux_rounds` aux rounds) briefly trained on stdlib code, so its
+    losses mean something."""
     scale = TinyScale()
     train_files, _ = split_files(stdlib_source_files())
     train_tokens = read_byte_tokens(train_files, max_tokens=4_000_000)
@@ -23,7 +24,7 @@ def builtin_model(steps: int, show_progress: bool = True) -> DualFlowForCausalLM
     torch.set_num_threads(1)
     try:
         model, _ = train_language_model(
-            tiny_moe_config(scale, top_k=2, aux_top_k=4),
+            tiny_moe_config(scale, top_k=2, aux_top_k=4, aux_num_rounds=aux_rounds),
             train_tokens,
             scale,
             seed=0,

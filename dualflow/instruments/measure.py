@@ -210,6 +210,19 @@ def format_table(metrics: dict, ratios: dict) -> str:
     return text_table(["metric", *names], rows)
 
 
+def decode_ms_per_aux_round(metrics: dict, num_rounds: int) -> dict[str, float]:
+    """Per decode batch: what each aux round after the first adds to the time per decode step (ms), from the dual-flow
+    variants with `num_rounds` rounds and with one (the decode time of a round is what batch-1 serving pays)."""
+
+    def step_ms(name, batch):
+        return 1000 * int(batch) / metrics[name]["decode_tokens_per_s"][batch]
+
+    return {
+        batch: (step_ms("dual-flow", batch) - step_ms("dual-flow r1", batch)) / (num_rounds - 1)
+        for batch in metrics["dual-flow"]["decode_tokens_per_s"]
+    }
+
+
 def compare_report(
     model, model_name: str, data_names: list[str], tokens, settings: CompareSettings, show_progress=True
 ) -> dict:
@@ -236,6 +249,7 @@ def compare_report(
                 "num_experts",
                 "num_experts_per_tok",
                 "aux_num_experts_per_tok",
+                "aux_num_rounds",
             )
         },
         "settings": {
@@ -254,6 +268,9 @@ def compare_report(
         "variants": [variant.name for variant in variants],
         "metrics": metrics,
         "ratios_vs_primary_only": ratios,
+        "decode_ms_per_aux_round": (
+            decode_ms_per_aux_round(metrics, config.aux_num_rounds) if config.aux_num_rounds > 1 else None
+        ),
         "noisy_timings": noisy_cells(metrics),
         "table": format_table(metrics, ratios),
     }

@@ -1,7 +1,8 @@
 """
 The ways `dualflow compare` runs one checkpoint's weights, each called like a causal LM:
 - primary-only: the aux flow off, i.e. the base model;
-- dual-flow: the grouped execution (aux flow on);
+- dual-flow: the grouped execution (aux flow on), with the config's aux rounds;
+- dual-flow r1, r2, ...: the same with fewer aux rounds (models with `aux_num_rounds` > 1), the decode cost per round;
 - two-pass: the same result computed as two batched passes over the layers (`two_pass.TwoPassDualFlow`; models with
   one aux round);
 - single top-k=k_a (MoE): the aux flow off and every token routed to k_a experts ("scale the whole model").
@@ -59,6 +60,10 @@ def build_variants(model) -> list[Variant]:
     variants = [
         Variant(BASELINE, model, {"use_aux_flow": False}, config),
         Variant("dual-flow", model, {"use_aux_flow": True}, config),
+    ]
+    variants += [
+        Variant(f"dual-flow r{rounds}", model, {"use_aux_flow": True, "aux_num_rounds": rounds}, config)
+        for rounds in range(1, config.aux_num_rounds)
     ]
     if config.aux_num_rounds == 1:  # the two-pass execution walks the layers once for the aux flow
         variants.append(Variant("two-pass", TwoPassDualFlow(model)))
