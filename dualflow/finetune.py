@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
@@ -26,6 +25,7 @@ from .checkpoint import load_dualflow_config, load_tokenizer
 from .errors import DualFlowUserError
 from .lora import add_lora
 from .model_card import license_of, write_model_card
+from .scoring import mean_token_nlls
 
 
 def read_texts(path) -> list[str]:
@@ -130,22 +130,13 @@ def make_trainer(
     )
 
 
-@torch.no_grad()
 def flow_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
     """Mean next-token NLL per token (nats) of each flow over `blocks`: {"aux flow": ..., "primary flow": ...}."""
     was_training = model.training
     model.eval()
-    totals, count = {"aux flow": 0.0, "primary flow": 0.0}, 0
-    for start in range(0, len(blocks), batch_size):
-        batch = blocks[start : start + batch_size].to(model.device)
-        outputs = model(input_ids=batch, use_aux_flow=True)
-        for name, logits in (("aux flow", outputs.logits), ("primary flow", outputs.primary_logits)):
-            totals[name] += F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum"
-            ).item()
-        count += batch[:, 1:].numel()
+    nll = mean_token_nlls(model, blocks, ("logits", "primary_logits"), batch_size, use_aux_flow=True)
     model.train(was_training)
-    return {name: total / count for name, total in totals.items()}
+    return {"aux flow": nll["logits"], "primary flow": nll["primary_logits"]}
 
 
 def _format_nll(nll: dict[str, float]) -> str:

@@ -26,7 +26,8 @@ from dualflow.instruments.experiment import (
     paired_differences,
     select_arms,
 )
-from dualflow.instruments.tiny_lm import TinyScale, mean_token_nll, mean_token_nlls, torch_default_init
+from dualflow.instruments.tiny_lm import TinyScale, torch_default_init
+from dualflow.scoring import mean_token_nll, mean_token_nlls
 from modeling_dualflow import DualFlowForCausalLM
 
 

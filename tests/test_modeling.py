@@ -17,13 +17,13 @@ from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
     PreTrainedModel,
-    Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 import modeling_dualflow
 from dualflow.instruments.reference import two_pass_forward
+from dualflow.instruments.upcycle import qwen3_moe_config_of
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 
 
@@ -387,20 +387,7 @@ class TestKvBytes:
     def test_dualflow_cache_bytes_equal_base_model_cache(self):
         model = tiny_model(qk_norm="per_head", aux_num_experts_per_tok=4)
         config = model.config
-        base = Qwen3MoeForCausalLM(
-            Qwen3MoeConfig(
-                vocab_size=config.vocab_size,
-                hidden_size=config.hidden_size,
-                intermediate_size=config.intermediate_size,
-                moe_intermediate_size=config.moe_intermediate_size,
-                num_hidden_layers=config.num_hidden_layers,
-                num_attention_heads=config.num_attention_heads,
-                num_key_value_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                num_experts=config.num_experts,
-                num_experts_per_tok=config.num_experts_per_tok,
-            )
-        ).eval()
+        base = Qwen3MoeForCausalLM(qwen3_moe_config_of(config)).eval()
         input_ids = torch.randint(0, 97, (2, 9))
         base_cache = base(input_ids, use_cache=True).past_key_values
         base_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in base_cache.layers)

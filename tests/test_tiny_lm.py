@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from dualflow.instruments.tiny_lm import mean_token_nll
+from dualflow.scoring import mean_token_nll
 
 
 def hand_nll(model, blocks, **kwargs) -> float:

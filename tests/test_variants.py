@@ -5,8 +5,8 @@ from conftest import tiny_model
 from test_tiny_lm import hand_nll
 
 from dualflow.instruments.reference import two_pass_forward
-from dualflow.instruments.tiny_lm import next_token_nll
 from dualflow.instruments.variants import BASELINE, build_variants, with_top_k
+from dualflow.scoring import next_token_nll
 from modeling_dualflow import DualFlowCache
 
 

@@ -25,9 +25,10 @@ from tqdm.auto import tqdm
 from modeling_dualflow import DualFlowConfig
 
 from ..errors import DualFlowUserError
+from ..scoring import mean_token_nll, mean_token_nlls
 from .data import check_data_files, read_byte_tokens, split_files, spread_blocks, stdlib_source_files
 from .tables import text_table
-from .tiny_lm import TinyScale, mean_token_nll, mean_token_nlls, tiny_moe_config, train_language_model
+from .tiny_lm import TinyScale, tiny_moe_config, train_language_model
 
 
 SCHEMA = "dualflow-experiment/2"

@@ -23,6 +23,7 @@ from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 from ..convert import convert_checkpoint
 from ..errors import DualFlowUserError
 from ..lora import add_lora
+from ..scoring import mean_token_nll, mean_token_nlls
 from .experiment import (
     command_line,
     format_error,
@@ -32,7 +33,7 @@ from .experiment import (
     print_footer,
 )
 from .tables import text_table
-from .tiny_lm import TinyScale, mean_token_nll, mean_token_nlls, tiny_moe_config, train_language_model, train_model
+from .tiny_lm import TinyScale, tiny_moe_config, train_language_model, train_model
 
 
 SCHEMA = "dualflow-upcycle/1"
@@ -93,32 +94,34 @@ def adapter_budget_lora_rank(folder: Path) -> int:
     return max(1, round(budget / per_rank))
 
 
+def qwen3_moe_config_of(config: DualFlowConfig) -> Qwen3MoeConfig:
+    """The transformers Qwen3-MoE config of a Dual-Flow config's primary flow (untied LM head, like Dual-Flow's)."""
+    return Qwen3MoeConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        moe_intermediate_size=config.moe_intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        num_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        norm_topk_prob=config.norm_topk_prob,
+        decoder_sparse_step=config.decoder_sparse_step,
+        mlp_only_layers=config.mlp_only_layers,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=config.rope_parameters,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        attention_bias=config.attention_bias,
+        tie_word_embeddings=False,
+    )
+
+
 def save_as_qwen3_moe(model: DualFlowForCausalLM, folder: Path) -> Path:
     """Save the primary flow of a single-flow Dual-Flow model as transformers' Qwen3-MoE (same weight names)."""
-    c = model.config
-    source = Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            moe_intermediate_size=c.moe_intermediate_size,
-            num_hidden_layers=c.num_hidden_layers,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            num_experts=c.num_experts,
-            num_experts_per_tok=c.num_experts_per_tok,
-            norm_topk_prob=c.norm_topk_prob,
-            decoder_sparse_step=c.decoder_sparse_step,
-            mlp_only_layers=c.mlp_only_layers,
-            max_position_embeddings=c.max_position_embeddings,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_parameters=c.rope_parameters,
-            router_aux_loss_coef=c.router_aux_loss_coef,
-            attention_bias=c.attention_bias,
-            tie_word_embeddings=False,
-        )
-    )
+    source = Qwen3MoeForCausalLM(qwen3_moe_config_of(model.config))
     aux = set(model.aux_parameter_names())
     source.load_state_dict({name: value for name, value in model.state_dict().items() if name not in aux})
     source.save_pretrained(folder)

@@ -16,7 +16,7 @@ from torch import nn
 
 from modeling_dualflow import DualFlowCache
 
-from .tiny_lm import mean_token_nll
+from ..scoring import mean_token_nll
 from .two_pass import TwoPassDualFlow
 
 
