@@ -175,7 +175,10 @@ def test_upcycle_quick_path_pairs_recipes_with_the_converted_base(tmp_path, caps
     assert all(name in printed for name in recipes)
 
 
-@pytest.mark.parametrize("design", [{"coupling_form": form} for form in COUPLING_FORMS] + [{"round_gate_init": 1.0}])
+DESIGNS = [{"coupling_form": form} for form in COUPLING_FORMS] + [{"round_gate_init": 1.0}, {"aux_final_norm": True}]
+
+
+@pytest.mark.parametrize("design", DESIGNS)
 def test_design_variants_train_their_own_parameters(design):
     torch.manual_seed(0)
     config = ARMS_BY_NAME["dual kp2 ka4"].model_config(QUICK_SCALE)
@@ -185,12 +188,13 @@ def test_design_variants_train_their_own_parameters(design):
     today = model(input_ids).logits
     apply_aux_design(model, **design)
     logits = model(input_ids).logits
-    if "coupling_form" in design:  # a new coupling form starts where today's does: adding nothing
-        torch.testing.assert_close(logits, today)
-    else:  # an open gate: the second round acts from the first step
+    if "round_gate_init" in design:  # an open gate: the second round acts from the first step
         assert (logits - today).abs().max() > 1e-3
+    else:  # a new coupling form or the aux rows' own final norm starts where today's model does
+        torch.testing.assert_close(logits, today)
     model(input_ids, labels=input_ids).loss.backward()
-    changed = "aux_coupling" if "coupling_form" in design else "aux_round_gate"
+    changed = {"coupling_form": "aux_coupling", "round_gate_init": "aux_round_gate", "aux_final_norm": "aux_norm"}
+    changed = changed[next(iter(design))]
     grads = {name: p.grad for name, p in model.named_parameters() if changed in name}
     assert grads and all(grad is not None for grad in grads.values())
     # a zero-initialised up-projection gives its down-projection no gradient at the first step, as in LoRA

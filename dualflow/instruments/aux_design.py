@@ -4,6 +4,8 @@ changes one thing of a freshly initialised model before training. They live here
 becomes a `DualFlowConfig` field only once it wins (docs/results/README.md says which did).
 """
 
+import copy
+
 import torch
 from torch import nn
 
@@ -37,6 +39,25 @@ class LowRankCoupling(nn.Module):
         return self.weight * primary_states + primary_states @ self.down.T @ self.up.T
 
 
+class AuxFinalNorm(nn.Module):
+    """
+    The final norm with a weight of its own for the aux rows (a cheap aux-specific part; starts equal to the shared
+    one). Only for forwards that run the aux flow at every position, as this experiment's training and scoring do:
+    the stacked rows are then [primary (T); aux (T)].
+    """
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.aux_norm = copy.deepcopy(norm)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[1] % 2:
+            raise ValueError("AuxFinalNorm needs the aux flow at every position (stacked rows [primary; aux])")
+        primary, aux = hidden_states.chunk(2, dim=1)
+        return torch.cat([self.norm(primary), self.aux_norm(aux)], dim=1)
+
+
 COUPLING_FORMS = {"normed gain": NormedGainCoupling, "gain + rank 8": LowRankCoupling}
 
 
@@ -46,14 +67,18 @@ def apply_aux_design(
     copy_aux_embedding: bool = False,
     coupling_form: str | None = None,
     round_gate_init: float | None = None,
+    aux_final_norm: bool = False,
 ) -> None:
     """
     `copy_aux_embedding`: the aux embedding starts as the primary one (as upcycling does) instead of its own draw;
     `coupling_form`: a key of `COUPLING_FORMS` replaces every layer's coupling; `round_gate_init`: the extra aux
-    rounds' gates start at this value instead of 0 (1 = no gate at the start).
+    rounds' gates start at this value instead of 0 (1 = no gate at the start); `aux_final_norm`: the aux rows get a
+    final norm of their own (`AuxFinalNorm`).
     """
     if copy_aux_embedding:
         model.model.aux_embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    if aux_final_norm:
+        model.model.norm = AuxFinalNorm(model.model.norm)
     for layer in model.model.layers:
         if coupling_form is not None:
             layer.aux_coupling = COUPLING_FORMS[coupling_form](model.config.hidden_size)

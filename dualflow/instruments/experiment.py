@@ -62,7 +62,12 @@ QUICK_SCALE = replace(
 )
 DEFAULT_SEEDS = 6
 MAX_TRAIN_TOKENS = 20_000_000
-DESIGN_KEYS = {"copy_aux_embedding", "coupling_form", "round_gate_init"}  # apply_aux_design's arguments
+DESIGN_KEYS = {
+    "copy_aux_embedding",
+    "coupling_form",
+    "round_gate_init",
+    "aux_final_norm",
+}  # apply_aux_design's arguments
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ ARMS = (
     dual(
         2, 4, "coupling rank 8", "design: gain + a rank-8 map of the primary state", {"coupling_form": "gain + rank 8"}
     ),
+    dual(2, 4, "aux final norm", "design: the aux rows' own final norm", {"aux_final_norm": True}),
     dual(
         2,
         4,
