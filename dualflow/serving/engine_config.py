@@ -27,10 +27,12 @@ def check_supported(config, vllm_config) -> None:
             f"aux_num_rounds={config.aux_num_rounds} needs round gates: this checkpoint has none "
             "(convert with `dualflow convert --aux-rounds`)"
         )
-    # A model extension this class does not implement (issue 14): refuse rather than serve a different model.
-    if getattr(config, "aux_adapter_rank", 0):
+    # The aux adapters are weights of the checkpoint: another rank (hf_overrides) would find none, or drop them.
+    checkpoint_rank = checkpoint_field(vllm_config, "aux_adapter_rank", 0)
+    if config.aux_adapter_rank != checkpoint_rank:
         raise ValueError(
-            f"Dual-Flow in vLLM has no aux adapters; this checkpoint has aux_adapter_rank={config.aux_adapter_rank}"
+            f"aux_adapter_rank={config.aux_adapter_rank} does not match this checkpoint's aux adapters "
+            f"(rank {checkpoint_rank}); the rank is set at conversion (`dualflow convert --aux-adapter-rank`)"
         )
     if config.num_experts and not 1 <= config.aux_num_experts_per_tok <= config.num_experts:
         raise ValueError(

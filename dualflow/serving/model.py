@@ -27,6 +27,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
@@ -144,6 +145,34 @@ class DualFlowSparseMoeBlock(nn.Module):
         return out
 
 
+class DualFlowAuxAdapter(nn.Module):
+    """
+    The aux rows' low-rank delta `up(down(x))` on the output of a shared weight (`aux_adapter_rank`). Under tensor
+    parallelism it is split like the weight it adapts: `sharded="output"` (q_proj) gives each rank the delta of its
+    own heads, `sharded="input"` (o_proj) takes each rank's heads and sums `down` across ranks; the MLP output's is
+    replicated.
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, sharded: str | None = None, prefix: str = ""):
+        super().__init__()
+        down = RowParallelLinear if sharded == "input" else ReplicatedLinear
+        up = ColumnParallelLinear if sharded == "output" else ReplicatedLinear
+        self.down = down(in_features, rank, bias=False, return_bias=False, prefix=f"{prefix}.down")
+        self.up = up(rank, out_features, bias=False, return_bias=False, prefix=f"{prefix}.up")
+
+    def forward(self, output: torch.Tensor, inputs: torch.Tensor, num_primary: int) -> torch.Tensor:
+        """`output` with the delta of `inputs` added to its aux rows (>= num_primary); primary rows untouched."""
+        delta = self.up(self.down(inputs[num_primary:]))
+        return torch.cat([output[:num_primary], output[num_primary:] + delta])
+
+
+def aux_adapter(config, in_features: int, out_features: int, sharded: str | None = None, prefix: str = ""):
+    """The checkpoint's aux adapter at `prefix` when the aux flow runs; None otherwise, so rank 0 costs nothing."""
+    if not (config.aux_adapter_rank and config.use_aux_flow):
+        return None
+    return DualFlowAuxAdapter(in_features, out_features, config.aux_adapter_rank, sharded, prefix)
+
+
 class DualFlowAttention(nn.Module):
     """q/k/v and o projections over [primary; aux] rows; the primary rows attend and fill the cache, the aux rows
     attend through `aux_attn` (built by the model), which reads the same cache."""
@@ -183,6 +212,9 @@ class DualFlowAttention(nn.Module):
         self.rotary_emb = get_rope(
             self.head_dim, max_position=config.max_position_embeddings, rope_parameters=config.rope_parameters
         )
+        q_dim = config.num_attention_heads * self.head_dim
+        self.aux_q_adapter = aux_adapter(config, config.hidden_size, q_dim, "output", f"{prefix}.aux_q_adapter")
+        self.aux_o_adapter = aux_adapter(config, q_dim, config.hidden_size, "input", f"{prefix}.aux_o_adapter")
         self.attention_args = dict(
             num_kv_heads=self.num_kv_heads,
             cache_config=cache_config,
@@ -206,9 +238,11 @@ class DualFlowAttention(nn.Module):
     def forward(self, positions, hidden_states, num_primary: int, aux_attn: Attention | None) -> torch.Tensor:
         # hidden_states: (T + P, hidden), normed; positions: (T + P,)
         qkv, _ = self.qkv_proj(hidden_states)
-        if self.clip_qkv is not None:
-            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.aux_q_adapter is not None:  # on the projection, before clipping and norms (as in transformers)
+            q = self.aux_q_adapter(q, hidden_states, num_primary)
+        if self.clip_qkv is not None:
+            q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
         if self.qk_norm is not None:
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
@@ -218,8 +252,10 @@ class DualFlowAttention(nn.Module):
         if hidden_states.shape[0] > num_primary:
             # The aux rows' k/v are never written: a KV-sharing layer only reads its target's cache.
             outputs.append(aux_attn(q[num_primary:], k[num_primary:], v[num_primary:]))
-        output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        output, _ = self.o_proj(output)
+        attn_output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        output, _ = self.o_proj(attn_output)
+        if self.aux_o_adapter is not None:
+            output = self.aux_o_adapter(output, attn_output, num_primary)
         return output
 
 
@@ -245,6 +281,9 @@ class DualFlowDecoderLayer(nn.Module):
         self.aux_coupling = DualFlowGain(config.hidden_size)
         if config.aux_num_rounds > 1:
             self.aux_round_gate = DualFlowGain(config.hidden_size)
+        self.aux_mlp_adapter = aux_adapter(
+            config, config.hidden_size, config.hidden_size, prefix=f"{prefix}.aux_mlp_adapter"
+        )
 
     def forward(self, positions, hidden_states, num_primary: int, aux_attn, primary_entering, extra_round=False):
         # hidden_states: (T + P, hidden) = [primary rows; aux rows], or the P aux rows alone in an extra aux round;
@@ -256,10 +295,10 @@ class DualFlowDecoderLayer(nn.Module):
         attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary, aux_attn)
         hidden_states = hidden_states + attn_out
         normed = self.post_attention_layernorm(hidden_states)
-        if isinstance(self.mlp, DualFlowSparseMoeBlock):
-            hidden_states = hidden_states + self.mlp(normed, num_primary)
-        else:
-            hidden_states = hidden_states + self.mlp(normed)
+        mlp_out = self.mlp(normed, num_primary) if isinstance(self.mlp, DualFlowSparseMoeBlock) else self.mlp(normed)
+        if self.aux_mlp_adapter is not None:  # the delta of the MLP's (normed) input, added to the block's output
+            mlp_out = self.aux_mlp_adapter(mlp_out, normed, num_primary)
+        hidden_states = hidden_states + mlp_out
         if extra_round:
             return layer_input + self.aux_round_gate.weight * (hidden_states - layer_input)
         return hidden_states
@@ -349,7 +388,9 @@ class DualFlowForCausalLM(nn.Module):
             ".mlp.up_proj": (".mlp.gate_up_proj", 1),
             ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
             ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
-        }
+        },
+        # The aux adapters' bare `down` / `up` matrices -> vLLM linear layers
+        orig_to_new_suffix={"_adapter.down": "_adapter.down.weight", "_adapter.up": "_adapter.up.weight"},
     )
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -379,11 +420,15 @@ class DualFlowForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # A primary-only engine does not build the aux embedding; a one-round engine has no round gates.
-        unused = [] if self.config.use_aux_flow else ["model.aux_embed_tokens."]
+        # A primary-only engine builds neither the aux embedding nor the aux adapters, a one-round engine no round gates.
+        # The loader tests a missing module's name followed by "." against these.
+        unused_prefixes, unused_suffixes = [], []
+        if not self.config.use_aux_flow:
+            unused_prefixes.append("model.aux_embed_tokens.")
+            unused_suffixes.append("_adapter.")
+        if self.config.aux_num_rounds == 1:
+            unused_suffixes.append(".aux_round_gate.")
         loader = AutoWeightsLoader(
-            self,
-            ignore_unexpected_prefixes=unused,
-            ignore_unexpected_suffixes=[".aux_round_gate.weight"] if self.config.aux_num_rounds == 1 else [],
+            self, ignore_unexpected_prefixes=unused_prefixes, ignore_unexpected_suffixes=unused_suffixes
         )
         return loader.load_weights(weights, mapper=self.hf_to_vllm_mapper)

@@ -44,12 +44,3 @@ def test_bad_aux_top_k_is_refused_before_the_engine_starts(checkpoint):
         running_engine(checkpoint, hf_overrides={"aux_num_experts_per_tok": 9}),
     ):
         pass
-
-
-def test_checkpoints_with_aux_adapters_are_refused(checkpoint):
-    # Issue 14 (aux adapters) is not implemented here: this model class would serve a different model.
-    with (
-        pytest.raises(ValueError, match="has no aux adapters"),
-        running_engine(checkpoint, hf_overrides={"aux_adapter_rank": 4}),
-    ):
-        pass

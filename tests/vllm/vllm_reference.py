@@ -34,6 +34,7 @@ SOURCE = dict(
     pad_token_id=0,
 )
 AUX_TOP_K = 4
+AUX_ADAPTERS = ("self_attn.aux_q_adapter", "self_attn.aux_o_adapter", "aux_mlp_adapter")  # in each decoder layer
 LOGPROB_TOLERANCE = 1e-3  # fp32
 # Small enough for this machine; prompts over 48 tokens (or batches) are prefilled in chunks.
 ENGINE_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48, block_size=32, seed=0)
@@ -49,16 +50,21 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @torch.no_grad()
-def build_checkpoint(root: Path, aux_rounds: int = 1) -> Path:
+def build_checkpoint(root: Path, aux_rounds: int = 1, aux_adapter_rank: int = 0) -> Path:
     """
-    Source Qwen3-MoE -> `dualflow convert` (k_a = 4 != k_p = 2, `aux_rounds` passes of the aux flow) -> aux
-    embedding, couplings and round gates perturbed.
+    Source Qwen3-MoE -> `dualflow convert` (k_a = 4 != k_p = 2, `aux_rounds` passes of the aux flow, aux adapters of
+    rank `aux_adapter_rank`) -> aux embedding, couplings, round gates and adapters perturbed.
     """
     torch.manual_seed(0)
     source = Qwen3MoeForCausalLM(Qwen3MoeConfig(**SOURCE)).eval()
     source.save_pretrained(root / "source")
     convert_checkpoint(
-        root / "source", root / "converted", aux_top_k=AUX_TOP_K, aux_rounds=aux_rounds, show_progress=False
+        root / "source",
+        root / "converted",
+        aux_top_k=AUX_TOP_K,
+        aux_rounds=aux_rounds,
+        aux_adapter_rank=aux_adapter_rank,
+        show_progress=False,
     )
     model = DualFlowForCausalLM.from_pretrained(root / "converted").eval()
     generator = torch.Generator().manual_seed(1)
@@ -70,6 +76,10 @@ def build_checkpoint(root: Path, aux_rounds: int = 1) -> Path:
             layer.aux_round_gate.weight.copy_(
                 0.5 + 0.3 * torch.randn(layer.aux_round_gate.weight.shape, generator=generator)
             )
+        if aux_adapter_rank:
+            for name in AUX_ADAPTERS:
+                up = layer.get_submodule(name).up
+                up.copy_(0.1 * torch.randn(up.shape, generator=generator))
     folder = root / "dualflow"
     model.save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)

@@ -1,0 +1,62 @@
+"""Aux adapters (`aux_adapter_rank`, issue 14) with `aux_num_rounds` = 2: the q, o and MLP-output deltas act on the
+aux rows in every round, so greedy tokens and logprobs equal transformers'; a primary-only engine builds none of them."""
+
+import pytest
+import torch
+from vllm_reference import (
+    AUX_ADAPTERS,
+    assert_matches_transformers,
+    build_checkpoint,
+    load_reference,
+    random_prompts,
+    running_engine,
+    served_greedy,
+)
+
+
+MAX_NEW = 8
+RANK = 4
+PROMPTS = random_prompts([5, 27, 53], seed=5)  # 53 > the 48-token budget: prefilled in chunks
+
+
+@pytest.fixture(scope="module")
+def adapter_checkpoint(tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("vllm-adapters"), aux_rounds=2, aux_adapter_rank=RANK)
+
+
+@pytest.fixture(scope="module")
+def reference(adapter_checkpoint):
+    return load_reference(adapter_checkpoint)
+
+
+def test_aux_adapters_match_transformers(adapter_checkpoint, reference):
+    assert (reference.config.aux_adapter_rank, reference.config.aux_num_rounds) == (RANK, 2)
+    with running_engine(adapter_checkpoint, enable_prefix_caching=True, enable_chunked_prefill=True) as engine:
+        outputs = served_greedy(engine, PROMPTS, MAX_NEW)
+    assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW)
+    # Each kind of adapter matters: without it, transformers' output is outside the tolerance of the served one.
+    for name in AUX_ADAPTERS:
+        ablated = load_reference(adapter_checkpoint)
+        with torch.no_grad():
+            for layer in ablated.model.layers:
+                layer.get_submodule(name).up.zero_()
+        with pytest.raises(AssertionError):
+            assert_matches_transformers(outputs, PROMPTS, ablated, MAX_NEW)
+
+
+def test_primary_only_one_round_engine_skips_the_aux_weights(adapter_checkpoint, reference):
+    # Neither adapters nor round gates are built: their weights in the checkpoint must not stop the engine loading.
+    with running_engine(adapter_checkpoint, hf_overrides={"use_aux_flow": False, "aux_num_rounds": 1}) as engine:
+        outputs = served_greedy(engine, PROMPTS, MAX_NEW)
+    assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW, use_aux_flow=False)
+
+
+def test_another_adapter_rank_is_refused(adapter_checkpoint, checkpoint):
+    # The adapters are weights of the checkpoint: an override can neither drop them nor add them.
+    for folder, override, stored in [(adapter_checkpoint, 0, RANK), (checkpoint, RANK, 0)]:
+        message = rf"aux_adapter_rank={override} does not match this checkpoint's aux adapters \(rank {stored}\)"
+        with (
+            pytest.raises(ValueError, match=message),
+            running_engine(folder, hf_overrides={"aux_adapter_rank": override}),
+        ):
+            pass
