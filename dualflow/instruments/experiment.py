@@ -147,6 +147,14 @@ ARMS = (
         {"round_gate_init": 1.0},
         aux_num_rounds=2,
     ),
+    dual(
+        2,
+        4,
+        "r2 gate 1 aux emb copied",
+        "design: the two winners together",
+        {"round_gate_init": 1.0, "copy_aux_embedding": True},
+        aux_num_rounds=2,
+    ),
 )
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
 DEPTH_ARM = "single k2 2x depth"
