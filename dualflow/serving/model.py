@@ -229,9 +229,7 @@ class DualFlowAttention(nn.Module):
             self.num_heads, self.head_dim, self.head_dim**-0.5, prefix=prefix, **self.attention_args, **kwargs
         )
 
-    def _norm(self, states: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        if self.qk_norm == "full":
-            return norm(states)
+    def _norm_per_head(self, states: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         by_head = states.view(*states.shape[:-1], -1, self.head_dim)
         return norm(by_head).view(states.shape)
 
@@ -239,12 +237,14 @@ class DualFlowAttention(nn.Module):
         # hidden_states: (T + P, hidden), normed; positions: (T + P,)
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.aux_q_adapter is not None:  # on the projection, before clipping and norms (as in transformers)
+        if self.aux_q_adapter is not None:  # on the projection, before norms and clipping (as in transformers)
             q = self.aux_q_adapter(q, hidden_states, num_primary)
+        if self.qk_norm == "full":  # OLMoE normalises the whole projection, then clips
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (x.clamp(min=-self.clip_qkv, max=self.clip_qkv) for x in (q, k, v))
-        if self.qk_norm is not None:
-            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
+        if self.qk_norm == "per_head":
+            q, k = self._norm_per_head(q, self.q_norm), self._norm_per_head(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
         outputs = []
         if num_primary:  # 0 in an extra aux round: the cache already holds this step's primary K/V

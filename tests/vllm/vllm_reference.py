@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import OlmoeConfig, OlmoeForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from dualflow.convert import convert_checkpoint
 from modeling_dualflow import DualFlowForCausalLM
@@ -33,6 +33,15 @@ SOURCE = dict(
     eos_token_id=None,
     pad_token_id=0,
 )
+# OLMoE source of the same size: q/k normalised over the whole projection, then q/k/v clipped to +-CLIP_QKV (small
+# enough that the clip acts on the normalised values).
+CLIP_QKV = 0.5
+OLMOE_SOURCE = {key: value for key, value in SOURCE.items() if key not in ("head_dim", "moe_intermediate_size")}
+OLMOE_SOURCE.update(intermediate_size=64, clip_qkv=CLIP_QKV)
+SOURCES = {
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, SOURCE),
+    "olmoe": (OlmoeForCausalLM, OlmoeConfig, OLMOE_SOURCE),
+}
 AUX_TOP_K = 4
 AUX_ADAPTERS = ("self_attn.aux_q_adapter", "self_attn.aux_o_adapter", "aux_mlp_adapter")  # in each decoder layer
 LOGPROB_TOLERANCE = 1e-3  # fp32
@@ -50,13 +59,14 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @torch.no_grad()
-def build_checkpoint(root: Path, aux_rounds: int = 1, aux_adapter_rank: int = 0) -> Path:
+def build_checkpoint(root: Path, aux_rounds: int = 1, aux_adapter_rank: int = 0, family: str = "qwen3_moe") -> Path:
     """
-    Source Qwen3-MoE -> `dualflow convert` (k_a = 4 != k_p = 2, `aux_rounds` passes of the aux flow, aux adapters of
+    Source model of `family` (SOURCES) -> `dualflow convert` (k_a = 4 != k_p = 2, `aux_rounds` passes of the aux flow, aux adapters of
     rank `aux_adapter_rank`) -> aux embedding, couplings, round gates and adapters perturbed.
     """
     torch.manual_seed(0)
-    source = Qwen3MoeForCausalLM(Qwen3MoeConfig(**SOURCE)).eval()
+    model_class, config_class, fields = SOURCES[family]
+    source = model_class(config_class(**fields)).eval()
     source.save_pretrained(root / "source")
     convert_checkpoint(
         root / "source",
