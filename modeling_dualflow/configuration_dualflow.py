@@ -33,6 +33,10 @@ class DualFlowConfig(PreTrainedConfig):
             alone against the primary K/V of the first round and write nothing; each layer gates their residual
             updates with a zero-initialised `aux_round_gate`, so a converted model still computes as its source. 1 (the
             default) is the paper's form and builds no gates.
+        aux_round_gate_init (`float`): value the round gates start at when weights are initialised (a model built from
+            scratch, or gates a checkpoint lacks). 0 (the default) makes the extra rounds start as the identity, which
+            conversion relies on (it writes zeros in any case); trained from scratch, 1 measured better
+            (docs/results/README.md).
         aux_adapter_rank (`int`): rank of the aux adapters, low-rank deltas on each layer's q_proj, o_proj and MLP / MoE
             block output that act on aux rows only (`aux_q_adapter`, `aux_o_adapter`, `aux_mlp_adapter`); their up
             projection starts at zero, so a converted model still computes as its source. 0 (the default) builds none.
@@ -115,6 +119,7 @@ class DualFlowConfig(PreTrainedConfig):
     primary_loss_weight: float = 1.0
     use_aux_flow: bool = True
     aux_num_rounds: int = 1
+    aux_round_gate_init: float = 0.0
     aux_adapter_rank: int = 0
     pad_token_id: int | None = None
     bos_token_id: int | None = None

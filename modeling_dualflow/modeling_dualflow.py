@@ -298,8 +298,9 @@ class DualFlowCoupling(nn.Module):
 
 class DualFlowRoundGate(nn.Module):
     """
-    Per-channel gain on a layer's residual update in the aux rounds after the first (`aux_num_rounds` > 1). Zero at
-    initialisation, so extra rounds start as the identity and a converted model keeps computing as its source.
+    Per-channel gain on a layer's residual update in the aux rounds after the first (`aux_num_rounds` > 1). Starts at
+    `aux_round_gate_init` (0 by default: extra rounds start as the identity, as a converted model needs to keep
+    computing as its source).
     """
 
     def __init__(self, hidden_size: int):
@@ -469,8 +470,10 @@ class DualFlowPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, DualFlowRouter):
             init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, (DualFlowCoupling, DualFlowRoundGate)):
+        elif isinstance(module, DualFlowCoupling):
             init.zeros_(module.weight)
+        elif isinstance(module, DualFlowRoundGate):
+            init.constant_(module.weight, self.config.aux_round_gate_init)
         elif isinstance(module, DualFlowAuxAdapter):
             init.normal_(module.down, mean=0.0, std=std)
             init.zeros_(module.up)

@@ -38,6 +38,24 @@ class TestConfigAndArguments:
         with pytest.raises(ValueError, match="needs a model built with aux_num_rounds > 1"):
             tiny_model()(input_ids, aux_num_rounds=2)
 
+    def test_round_gates_start_at_aux_round_gate_init_and_checkpoints_keep_theirs(self, tmp_path):
+        closed = DualFlowForCausalLM(tiny_config(aux_num_rounds=2))
+        assert all((layer.aux_round_gate.weight == 0).all() for layer in closed.model.layers)
+        opened = DualFlowForCausalLM(tiny_config(aux_num_rounds=2, aux_round_gate_init=1.0))
+        assert all((layer.aux_round_gate.weight == 1).all() for layer in opened.model.layers)
+        with torch.no_grad():
+            opened.model.layers[0].aux_round_gate.weight.fill_(0.3)
+        opened.save_pretrained(tmp_path / "opened")
+        loaded = DualFlowForCausalLM.from_pretrained(tmp_path / "opened")
+        assert loaded.config.aux_round_gate_init == 1.0
+        assert torch.equal(loaded.model.layers[0].aux_round_gate.weight, torch.full((loaded.config.hidden_size,), 0.3))
+        # a one-round checkpoint loaded with two rounds: the missing gates start at the default 0, the identity
+        one_round = tiny_model()
+        one_round.save_pretrained(tmp_path / "one-round")
+        two_rounds = DualFlowForCausalLM.from_pretrained(tmp_path / "one-round", aux_num_rounds=2)
+        input_ids = torch.randint(0, 97, (2, 7))
+        assert torch.equal(two_rounds(input_ids).logits, one_round(input_ids).logits)
+
     def test_config_round_trip(self, tmp_path):
         tiny_config(aux_num_rounds=3).save_pretrained(tmp_path)
         assert AutoConfig.from_pretrained(tmp_path).aux_num_rounds == 3

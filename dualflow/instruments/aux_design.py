@@ -66,21 +66,17 @@ def apply_aux_design(
     model: DualFlowForCausalLM,
     copy_aux_embedding: bool = False,
     coupling_form: str | None = None,
-    round_gate_init: float | None = None,
     aux_final_norm: bool = False,
 ) -> None:
     """
     `copy_aux_embedding`: the aux embedding starts as the primary one (as upcycling does) instead of its own draw;
-    `coupling_form`: a key of `COUPLING_FORMS` replaces every layer's coupling; `round_gate_init`: the extra aux
-    rounds' gates start at this value instead of 0 (1 = no gate at the start); `aux_final_norm`: the aux rows get a
+    `coupling_form`: a key of `COUPLING_FORMS` replaces every layer's coupling; `aux_final_norm`: the aux rows get a
     final norm of their own (`AuxFinalNorm`).
     """
     if copy_aux_embedding:
         model.model.aux_embed_tokens.weight.copy_(model.model.embed_tokens.weight)
     if aux_final_norm:
         model.model.norm = AuxFinalNorm(model.model.norm)
-    for layer in model.model.layers:
-        if coupling_form is not None:
+    if coupling_form is not None:
+        for layer in model.model.layers:
             layer.aux_coupling = COUPLING_FORMS[coupling_form](model.config.hidden_size)
-        if round_gate_init is not None:
-            layer.aux_round_gate.weight.fill_(round_gate_init)

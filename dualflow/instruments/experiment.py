@@ -62,12 +62,7 @@ QUICK_SCALE = replace(
 )
 DEFAULT_SEEDS = 6
 MAX_TRAIN_TOKENS = 20_000_000
-DESIGN_KEYS = {
-    "copy_aux_embedding",
-    "coupling_form",
-    "round_gate_init",
-    "aux_final_norm",
-}  # apply_aux_design's arguments
+DESIGN_KEYS = {"copy_aux_embedding", "coupling_form", "aux_final_norm"}  # apply_aux_design's arguments
 
 
 @dataclass(frozen=True)
@@ -144,16 +139,17 @@ ARMS = (
         4,
         "r2 gate 1",
         "design: 2 rounds, the extra round's gate starting at 1 instead of 0 (issue 13)",
-        {"round_gate_init": 1.0},
         aux_num_rounds=2,
+        aux_round_gate_init=1.0,
     ),
     dual(
         2,
         4,
         "r2 gate 1 aux emb copied",
         "design: the two winners together",
-        {"round_gate_init": 1.0, "copy_aux_embedding": True},
+        {"copy_aux_embedding": True},
         aux_num_rounds=2,
+        aux_round_gate_init=1.0,
     ),
 )
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
