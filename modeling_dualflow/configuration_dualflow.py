@@ -7,6 +7,7 @@ from transformers.modeling_rope_utils import RopeParameters
 
 
 QK_NORM_KINDS = (None, "per_head", "full")
+AUX_EMBED_INITS = ("independent", "copy")
 
 
 @strict
@@ -33,6 +34,10 @@ class DualFlowConfig(PreTrainedConfig):
             alone against the primary K/V of the first round and write nothing; each layer gates their residual
             updates with a zero-initialised `aux_round_gate`, so a converted model still computes as its source. 1 (the
             default) is the paper's form and builds no gates.
+        aux_embed_init (`str`): how a model built from scratch starts its aux token embedding: "independent" (the
+            default: its own random draw, like any embedding) or "copy" (a copy of the primary embedding, what
+            conversion writes; trained from scratch it measured better, docs/results/README.md). Loaded weights are
+            never touched.
         aux_round_gate_init (`float`): value the round gates start at when weights are initialised (a model built from
             scratch, or gates a checkpoint lacks). 0 (the default) makes the extra rounds start as the identity, which
             conversion relies on (it writes zeros in any case); trained from scratch, 1 measured better
@@ -118,6 +123,7 @@ class DualFlowConfig(PreTrainedConfig):
     aux_num_experts_per_tok: int | None = None
     primary_loss_weight: float = 1.0
     use_aux_flow: bool = True
+    aux_embed_init: str = "independent"
     aux_num_rounds: int = 1
     aux_round_gate_init: float = 0.0
     aux_adapter_rank: int = 0
@@ -193,6 +199,8 @@ class DualFlowConfig(PreTrainedConfig):
             raise ValueError(f"qk_norm must be one of {QK_NORM_KINDS}, got {self.qk_norm!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+        if self.aux_embed_init not in AUX_EMBED_INITS:
+            raise ValueError(f"aux_embed_init must be one of {AUX_EMBED_INITS}, got {self.aux_embed_init!r}")
         if self.aux_num_rounds < 1:
             raise ValueError(f"aux_num_rounds must be >= 1, got {self.aux_num_rounds}")
         if self.aux_adapter_rank < 0:

@@ -474,6 +474,9 @@ class DualFlowPreTrainedModel(PreTrainedModel):
             init.zeros_(module.weight)
         elif isinstance(module, DualFlowRoundGate):
             init.constant_(module.weight, self.config.aux_round_gate_init)
+        elif module is getattr(self, "aux_embed_tokens", None) and self.config.aux_embed_init == "copy":
+            # `self` is the DualFlowModel here; its primary embedding, registered first, already holds its values
+            init.copy_(module.weight, self.embed_tokens.weight)
         elif isinstance(module, DualFlowAuxAdapter):
             init.normal_(module.down, mean=0.0, std=std)
             init.zeros_(module.up)

@@ -213,6 +213,14 @@ def test_torch_default_init_follows_pytorch_layer_defaults():
     assert (layer.aux_coupling.weight == 0).all() and (layer.input_layernorm.weight == 1).all()
 
 
+def test_torch_default_init_keeps_a_copied_aux_embedding_a_copy():
+    model = DualFlowForCausalLM(ARMS_BY_NAME["dual kp2 ka4 aux emb copied"].model_config(QUICK_SCALE))
+    before = model.model.embed_tokens.weight.clone()
+    torch_default_init(model)
+    assert not torch.equal(model.model.embed_tokens.weight, before)  # a new draw ...
+    assert torch.equal(model.model.aux_embed_tokens.weight, model.model.embed_tokens.weight)  # ... copied again
+
+
 def test_one_pass_scores_prediction_and_primary_flow_like_two_passes():
     torch.manual_seed(0)
     model = DualFlowForCausalLM(ARMS_BY_NAME["dual kp2 ka4"].model_config(QUICK_SCALE)).eval()

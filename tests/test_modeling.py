@@ -87,6 +87,7 @@ class TestConfig:
             ({"intermediate_size": 0, "num_experts": 0}, "intermediate_size"),
             ({"clip_qkv": -1.0}, "clip_qkv"),
             ({"hidden_act": "nope"}, "hidden_act"),
+            ({"aux_embed_init": "zeros"}, "aux_embed_init"),
         ],
     )
     def test_inconsistent_values_name_the_field(self, overrides, field):
@@ -114,6 +115,17 @@ class TestConfig:
         # the MoE model keeps transformers' default kernel (found through the decorator in modeling_dualflow.py)
         assert moe._can_set_experts_implementation() and moe.config._experts_implementation == "grouped_mm"
         assert moe.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
+
+    def test_aux_embed_init_copies_the_primary_embedding_of_a_new_model_only(self, tmp_path):
+        independent = DualFlowForCausalLM(tiny_config())
+        assert not torch.equal(independent.model.aux_embed_tokens.weight, independent.model.embed_tokens.weight)
+        copied = DualFlowForCausalLM(tiny_config(aux_embed_init="copy"))
+        assert torch.equal(copied.model.aux_embed_tokens.weight, copied.model.embed_tokens.weight)
+        with torch.no_grad():  # trained: the two tables part
+            copied.model.aux_embed_tokens.weight.add_(1.0)
+        copied.save_pretrained(tmp_path)
+        loaded = DualFlowForCausalLM.from_pretrained(tmp_path)  # loaded weights are never re-initialised
+        assert torch.equal(loaded.model.aux_embed_tokens.weight, copied.model.aux_embed_tokens.weight)
 
     def test_save_load_round_trip(self, tmp_path):
         config = tiny_config(aux_num_experts_per_tok=3, qk_norm="per_head", sliding_window=4)

@@ -64,17 +64,13 @@ COUPLING_FORMS = {"normed gain": NormedGainCoupling, "gain + rank 8": LowRankCou
 @torch.no_grad()
 def apply_aux_design(
     model: DualFlowForCausalLM,
-    copy_aux_embedding: bool = False,
     coupling_form: str | None = None,
     aux_final_norm: bool = False,
 ) -> None:
     """
-    `copy_aux_embedding`: the aux embedding starts as the primary one (as upcycling does) instead of its own draw;
     `coupling_form`: a key of `COUPLING_FORMS` replaces every layer's coupling; `aux_final_norm`: the aux rows get a
     final norm of their own (`AuxFinalNorm`).
     """
-    if copy_aux_embedding:
-        model.model.aux_embed_tokens.weight.copy_(model.model.embed_tokens.weight)
     if aux_final_norm:
         model.model.norm = AuxFinalNorm(model.model.norm)
     if coupling_form is not None:

@@ -62,7 +62,7 @@ QUICK_SCALE = replace(
 )
 DEFAULT_SEEDS = 6
 MAX_TRAIN_TOKENS = 20_000_000
-DESIGN_KEYS = {"copy_aux_embedding", "coupling_form", "aux_final_norm"}  # apply_aux_design's arguments
+DESIGN_KEYS = {"coupling_form", "aux_final_norm"}  # apply_aux_design's arguments
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ ARMS = (
     dual(2, 4, "r3", "aux flow runs 3 rounds through the layers (issue 13)", aux_num_rounds=3),
     # Design study of the aux flow (issue 11 item 3): each changes one thing of dual kp2 ka4.
     dual(2, 4, "init 0.02", "design: transformers' N(0, 0.02) init", {"init": "model"}, initializer_range=0.02),
-    dual(2, 4, "aux emb copied", "design: aux embedding starts as the primary's", {"copy_aux_embedding": True}),
+    dual(2, 4, "aux emb copied", "design: aux embedding starts as the primary's", aux_embed_init="copy"),
     dual(2, 4, "plw 0.5", "design: primary_loss_weight 0.5", primary_loss_weight=0.5),
     dual(2, 4, "plw 2", "design: primary_loss_weight 2", primary_loss_weight=2.0),
     dual(2, 4, "coupling normed", "design: gain on the normed primary state", {"coupling_form": "normed gain"}),
@@ -147,9 +147,9 @@ ARMS = (
         4,
         "r2 gate 1 aux emb copied",
         "design: the two winners together",
-        {"copy_aux_embedding": True},
         aux_num_rounds=2,
         aux_round_gate_init=1.0,
+        aux_embed_init="copy",
     ),
 )
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}

@@ -66,7 +66,7 @@ def torch_default_init(model: DualFlowForCausalLM) -> None:
     """
     PyTorch's layer defaults instead of the model's N(0, initializer_range): embeddings N(0, 1), linear layers and the
     router uniform(+-1/sqrt(fan_in)), experts N(0, 1/fan_in). Norms stay 1 and couplings 0. At tiny width this init
-    trains Dual-Flow better than transformers' 0.02 (docs/results/README.md).
+    trains Dual-Flow better than transformers' 0.02 (docs/results/README.md). `aux_embed_init="copy"` still holds.
     """
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
@@ -77,6 +77,8 @@ def torch_default_init(model: DualFlowForCausalLM) -> None:
         elif isinstance(module, DualFlowRouter):
             bound = module.weight.shape[1] ** -0.5
             torch.nn.init.uniform_(module.weight, -bound, bound)
+    if model.config.aux_embed_init == "copy":  # the copy the model's own init made, of the new draw
+        model.model.aux_embed_tokens.weight.copy_(model.model.embed_tokens.weight)
 
 
 def train_language_model(
