@@ -145,6 +145,14 @@ ARMS = (
     dual(
         2,
         4,
+        "r3 gate 1",
+        "design: 3 rounds, the extra rounds' gates starting at 1 (issue 13)",
+        aux_num_rounds=3,
+        aux_round_gate_init=1.0,
+    ),
+    dual(
+        2,
+        4,
         "r2 gate 1 aux emb copied",
         "design: the two winners together",
         aux_num_rounds=2,
