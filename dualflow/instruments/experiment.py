@@ -159,6 +159,24 @@ ARMS = (
         aux_round_gate_init=1.0,
         aux_embed_init="copy",
     ),
+    dual(
+        2,
+        4,
+        "aux emb copied plw 0.5",
+        "design: one-round winners together",
+        aux_embed_init="copy",
+        primary_loss_weight=0.5,
+    ),
+    dual(
+        2,
+        4,
+        "r2 gate 1 aux emb copied plw 0.5",
+        "design: every winner together",
+        aux_num_rounds=2,
+        aux_round_gate_init=1.0,
+        aux_embed_init="copy",
+        primary_loss_weight=0.5,
+    ),
 )
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
 DEPTH_ARM = "single k2 2x depth"
