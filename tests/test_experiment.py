@@ -22,9 +22,11 @@ from dualflow.instruments.experiment import (
     depth_gain_share,
     dual,
     flow_forward_flops,
+    format_table,
     mean_and_error,
     paired_differences,
     select_arms,
+    summarize,
 )
 from dualflow.instruments.tiny_lm import TinyScale, torch_default_init
 from dualflow.scoring import mean_token_nll, mean_token_nlls
@@ -211,6 +213,26 @@ def test_torch_default_init_follows_pytorch_layer_defaults():
     assert abs(experts.gate_up_proj.std().item() * config.hidden_size**0.5 - 1) < 0.05
     assert abs(experts.down_proj.std().item() * config.moe_intermediate_size**0.5 - 1) < 0.05
     assert (layer.aux_coupling.weight == 0).all() and (layer.input_layernorm.weight == 1).all()
+
+
+def test_design_arms_are_compared_with_todays_default_paired_by_seed():
+    def runs(losses):
+        return [
+            {"seed": seed, "val_loss": loss, "primary_val_loss": loss, "tokens_per_s": 1.0}
+            for seed, loss in enumerate(losses)
+        ]
+
+    arms = [ARMS_BY_NAME[name] for name in ("single k2", "dual kp2 ka4", "dual kp2 ka4 aux emb copied")]
+    results = {
+        "single k2": runs([2.0, 2.2]),
+        "dual kp2 ka4": runs([1.9, 2.1]),
+        "dual kp2 ka4 aux emb copied": runs([1.8, 2.08]),
+    }
+    summary = {arm["name"]: arm for arm in summarize(arms, QUICK_SCALE, results)}
+    design = summary["dual kp2 ka4 aux emb copied"]["val_loss_delta_vs_design_reference"]
+    assert design["vs"] == "dual kp2 ka4" and design["n"] == 2 and design["mean"] == pytest.approx(-0.06)
+    assert summary["dual kp2 ka4"]["val_loss_delta_vs_design_reference"] is None  # not a design variant
+    assert "-0.0600 ± 0.0400" in format_table(list(summary.values()))
 
 
 def test_torch_default_init_keeps_a_copied_aux_embedding_a_copy():

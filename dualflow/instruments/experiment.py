@@ -180,6 +180,7 @@ ARMS = (
 )
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
 DEPTH_ARM = "single k2 2x depth"
+DESIGN_REFERENCE = "dual kp2 ka4"  # today's default, which each design variant changes in one way
 # The default run: the baseline, both known-better arms, 2x tokens, regime 1 (2/2, 2/4) and regime 2 (1/3, 2/2, 3/1);
 # the rounds arms join as soon as the model has `aux_num_rounds`. `--arms all` runs every arm.
 DEFAULT_ARMS = (
@@ -430,6 +431,13 @@ def summarize(arms, scale: TinyScale, results: dict) -> list[dict]:
         entry["depth_gain_share"] = (
             depth_gain_share(runs, baseline_runs, depth_runs) if arm.dual and depth_runs else None
         )
+        # A design variant replaces today's default only if it beats it, paired by seed, by 2 standard errors.
+        design_deltas = list(paired_differences(runs, results.get(DESIGN_REFERENCE, [])).values())
+        entry["val_loss_delta_vs_design_reference"] = (
+            {"vs": DESIGN_REFERENCE, **mean_and_error(design_deltas)}
+            if arm.role.startswith("design") and design_deltas
+            else None
+        )
         entry["runs"] = runs
         summary.append(entry)
     return summary
@@ -450,6 +458,7 @@ def format_table(arms: list[dict]) -> str:
         "Δ vs first arm (paired ± SE)",
         "primary flow Δ",
         "share of 2x-depth gain",
+        f"design: Δ vs {DESIGN_REFERENCE}",
         "train tok/s (wall / CPU)",
         "prefill experts/tok",
         "decode experts/tok",
@@ -464,6 +473,7 @@ def format_table(arms: list[dict]) -> str:
                 format_error(arm["val_loss_delta"]),
                 format_error(arm.get("primary_val_loss_delta")),
                 f"{share['share']:.0%} ({share['verdict']} 60%)" if share else "-",
+                format_error(arm.get("val_loss_delta_vs_design_reference")),
                 f"{arm['tokens_per_s']:.0f} / "
                 + (f"{arm['tokens_per_cpu_s']:.0f}" if arm["tokens_per_cpu_s"] else "-"),
                 str(arm["prefill_experts_per_token"]),
