@@ -10,7 +10,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -46,19 +46,16 @@ ADAPTER_RANK = 16  # the prototype's rank
 @dataclass(frozen=True)
 class Recipe:
     """
-    How to continue: `aux_factor` None = single flow, else k_a = aux_factor * k_p; `train` = all / aux / lora.
-    `lora_rank` None (with train = lora): the rank whose trainable parameters match the aux-adapter recipe's.
+    How to continue: `aux_factor` None = single flow, else k_a = aux_factor * k_p; `train` = all / aux / lora;
+    `adapter_rank`: converted with aux adapters of that rank (`--aux-adapter-rank`). `lora_rank` None (with train =
+    lora): the rank whose trainable parameters match the aux-adapter recipe's.
     """
 
     name: str
     aux_factor: int | None
     train: str
-    config: dict = field(default_factory=dict)
+    adapter_rank: int = 0
     lora_rank: int | None = 16
-
-    def missing_config_fields(self) -> list[str]:
-        known = DualFlowConfig().to_dict()
-        return [key for key in self.config if key not in known]
 
 
 RECIPES = (
@@ -71,8 +68,8 @@ RECIPES = (
     Recipe("dual aux-only ka=2kp", 2, "aux"),
     Recipe("dual lora+aux ka=kp", 1, "lora"),
     Recipe("dual lora+aux ka=2kp", 2, "lora"),
-    Recipe("dual aux-only+adapters ka=kp", 1, "aux", {"aux_adapter_rank": ADAPTER_RANK}),
-    Recipe("dual aux-only+adapters ka=2kp", 2, "aux", {"aux_adapter_rank": ADAPTER_RANK}),
+    Recipe("dual aux-only+adapters ka=kp", 1, "aux", ADAPTER_RANK),
+    Recipe("dual aux-only+adapters ka=2kp", 2, "aux", ADAPTER_RANK),
 )
 BASELINE = RECIPES[0].name
 
@@ -130,7 +127,7 @@ def save_as_qwen3_moe(model: DualFlowForCausalLM, folder: Path) -> Path:
 
 def trainable_model(recipe: Recipe, folder: Path):
     """Load the converted checkpoint for `recipe` and leave exactly its parameters trainable."""
-    model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=recipe.aux_factor is not None, **recipe.config)
+    model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=recipe.aux_factor is not None)
     if recipe.train == "lora":
         rank = recipe.lora_rank or adapter_budget_lora_rank(folder)
         return add_lora(model, r=rank, lora_alpha=2 * rank, train_aux_modules=recipe.aux_factor is not None)
@@ -158,18 +155,23 @@ def upcycle_seed(recipes, scale: TinyScale, continue_steps: int, seed: int, trai
     result = {"base": {"seed": seed, **losses(base, val_blocks, dual=False)}}
     with tempfile.TemporaryDirectory(prefix="dualflow-upcycle-") as tmp:
         source = save_as_qwen3_moe(base, Path(tmp) / "qwen3-moe")
-        converted = {}
-        for factor in sorted({recipe.aux_factor or 1 for recipe in recipes}):
-            converted[factor] = Path(tmp) / f"dualflow-ka{factor}x"
+        converted = {}  # (k_a / k_p, adapter rank): folder written by the real converter
+        for factor, rank in sorted({(recipe.aux_factor or 1, recipe.adapter_rank) for recipe in recipes}):
+            folder = converted[factor, rank] = Path(tmp) / f"dualflow-ka{factor}x-adapters{rank}"
             convert_checkpoint(
-                source, converted[factor], aux_top_k=factor * config.num_experts_per_tok, show_progress=False
+                source,
+                folder,
+                aux_top_k=factor * config.num_experts_per_tok,
+                aux_adapter_rank=rank,
+                show_progress=False,
             )
-            initial = DualFlowForCausalLM.from_pretrained(converted[factor])
-            result["base"][f"aux_val_loss_at_conversion_ka{factor}x"] = losses(initial, val_blocks, dual=True)[
-                "aux_val_loss"
-            ]
+            if not rank:
+                initial = DualFlowForCausalLM.from_pretrained(folder)
+                result["base"][f"aux_val_loss_at_conversion_ka{factor}x"] = losses(initial, val_blocks, dual=True)[
+                    "aux_val_loss"
+                ]
         for recipe in recipes:
-            model = trainable_model(recipe, converted[recipe.aux_factor or 1])
+            model = trainable_model(recipe, converted[recipe.aux_factor or 1, recipe.adapter_rank])
             start, cpu_start = time.perf_counter(), time.process_time()
             train_model(model, train_tokens, scale, seed + CONTINUE_SEED_OFFSET, continue_steps, show_progress=False)
             train_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
@@ -236,8 +238,7 @@ def format_table(summary: list[dict], base: dict) -> str:
 def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
     """Pretrain `scale.steps`, continue half as many; the options were checked by `experiment.run`."""
     continue_steps = max(1, scale.steps // 2)
-    recipes = [recipe for recipe in RECIPES if not recipe.missing_config_fields()]
-    skipped = [recipe.name for recipe in RECIPES if recipe.missing_config_fields()]
+    recipes = list(RECIPES)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise DualFlowUserError(f"--out {out} exists and is not a folder")
@@ -264,7 +265,6 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
         "data": data,
         "wall_s_total": time.perf_counter() - started,
         "base": {"primary_val_loss": base, "runs": [result["base"] for result in per_seed]},
-        "recipes_left_out": skipped,
         "recipes": summary,
         "table": format_table(summary, base),
     }
@@ -274,5 +274,5 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
         f"prediction = aux flow for dual recipes; Δ paired by seed, ± = standard error over {num_seeds} seed(s); "
         f"pretrain {scale.steps} steps, continue {continue_steps} steps. Total {report['wall_s_total'] / 60:.1f} min."
     )
-    print_footer(skipped, [out / "upcycle.json"], args.quick)
+    print_footer([], [out / "upcycle.json"], args.quick)
     return 0
