@@ -177,6 +177,16 @@ ARMS = (
         aux_embed_init="copy",
         primary_loss_weight=0.5,
     ),
+    dual(
+        2,
+        4,
+        "r3 gate 1 aux emb copied plw 0.5",
+        "design: every winner together, 3 rounds",
+        aux_num_rounds=3,
+        aux_round_gate_init=1.0,
+        aux_embed_init="copy",
+        primary_loss_weight=0.5,
+    ),
 )
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
 DEPTH_ARM = "single k2 2x depth"
