@@ -503,6 +503,13 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def arm_color(index: int):
+    """Distinct colours for up to 20 arms (the design study has more than matplotlib's default cycle of 10)."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](index % 20)
+
+
 def plot_loss_curves(report: dict, path) -> None:
     import matplotlib
 
@@ -519,7 +526,7 @@ def plot_loss_curves(report: dict, path) -> None:
         lowest.append(min(smoothed))
         x = [(step + 1) * tokens_per_step / 1e6 for step in range(len(mean_curve))]
         style = "--" if arm["dual"] else "-"
-        ax.plot(x, smoothed, style, color=f"C{index}", label=f"{arm['name']} (val {arm['val_loss']['mean']:.3f})")
+        ax.plot(x, smoothed, style, color=arm_color(index), label=f"{arm['name']} (val {arm['val_loss']['mean']:.3f})")
     ax.set(xlabel="training tokens (millions)", ylabel="training NLL of the prediction (nats/token, smoothed)")
     ax.set_ylim(min(lowest) - 0.1, min(lowest) + 1.5)
     ax.set_title(
@@ -544,31 +551,29 @@ def plot_frontier(report: dict, path) -> None:
         ("decode_flops_per_token", "decode cost (MFLOP / generated token)"),
         ("train_flops_total", "training cost (total TFLOP)"),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2 + 0.2 * -(-len(report["arms"]) // 4)), sharey=True)
+    label_points = len(report["arms"]) <= 10  # beyond that the names overlap: the legend alone says which is which
     for ax, (key, label) in zip(axes, panels):
         divisor = 1e12 if key == "train_flops_total" else 1e6
         for index, arm in enumerate(report["arms"]):
             delta = arm["val_loss_delta"]
             x, se = arm[key] / divisor, delta["se"] if delta["n"] > 1 else 0.0
             marker = "s" if arm["dual"] else "o"
-            ax.errorbar(
-                x, delta["mean"], yerr=se, fmt=marker, color=f"C{index}", capsize=3, markersize=7, label=arm["name"]
-            )
-            ax.annotate(
-                arm["name"],
-                (x, delta["mean"]),
-                textcoords="offset points",
-                xytext=(5, 4),
-                fontsize=7,
-                color=f"C{index}",
-            )
+            color = arm_color(index)
+            ax.errorbar(x, delta["mean"], yerr=se, fmt=marker, color=color, capsize=3, markersize=7, label=arm["name"])
+            if label_points:
+                ax.annotate(
+                    arm["name"], (x, delta["mean"]), textcoords="offset points", xytext=(5, 4), fontsize=7, color=color
+                )
         ax.axhline(0, color="gray", lw=0.8)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"Δ validation loss vs {report['arms'][0]['name']} (nats/token; paired mean ± SE)")
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    rows = -(-len(labels) // 4)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle("Cost vs quality: lower-left is better (squares = dual-flow)", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.035 * rows + 0.02, 1, 1))  # room for the legend below the panels
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
