@@ -1,5 +1,6 @@
 """probes: the peak-memory probe sees what a call allocates; the timer measures the call."""
 
+import mmap
 import time
 
 import torch
@@ -11,8 +12,12 @@ def test_peak_memory_increase_sees_an_allocation():
     size = 64 * 2**20
 
     def allocate():
-        block = torch.ones(size // 4)  # 64 MiB of float32, touched so the pages are resident
-        return block.sum()
+        # An anonymous mapping: pages no allocator holds already (a torch tensor may reuse free heap pages that are
+        # still resident, depending on what ran before in the process). Touch every page so it becomes resident.
+        block = mmap.mmap(-1, size)
+        for offset in range(0, size, mmap.PAGESIZE):
+            block[offset] = 1
+        block.close()
 
     peak, increase = peak_memory_bytes(allocate, torch.device("cpu"))
     assert increase >= 0.9 * size and peak >= increase
