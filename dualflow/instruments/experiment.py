@@ -551,7 +551,8 @@ def plot_frontier(report: dict, path) -> None:
         ("decode_flops_per_token", "decode cost (MFLOP / generated token)"),
         ("train_flops_total", "training cost (total TFLOP)"),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2 + 0.2 * -(-len(report["arms"]) // 4)), sharey=True)
+    legend_rows = -(-len(report["arms"]) // 4)  # the legend below the panels: 4 arms per row
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2 + 0.2 * legend_rows), sharey=True)
     label_points = len(report["arms"]) <= 10  # beyond that the names overlap: the legend alone says which is which
     for ax, (key, label) in zip(axes, panels):
         divisor = 1e12 if key == "train_flops_total" else 1e6
@@ -569,11 +570,9 @@ def plot_frontier(report: dict, path) -> None:
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"Δ validation loss vs {report['arms'][0]['name']} (nats/token; paired mean ± SE)")
-    handles, labels = axes[0].get_legend_handles_labels()
-    rows = -(-len(labels) // 4)
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle("Cost vs quality: lower-left is better (squares = dual-flow)", fontsize=11)
-    fig.tight_layout(rect=(0, 0.035 * rows + 0.02, 1, 1))  # room for the legend below the panels
+    fig.tight_layout(rect=(0, 0.035 * legend_rows + 0.02, 1, 1))  # room for the legend
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
