@@ -1,7 +1,15 @@
 """Upcycle transformers checkpoints (Mixtral, Qwen2/3-MoE, OLMoE, Llama, Mistral, Qwen2/3) into Dual-Flow ones."""
 
-from .converter import convert_checkpoint
+import importlib
+
 from .families import SUPPORTED_MODEL_TYPES
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "convert_checkpoint"]
+
+
+def __getattr__(name: str):
+    # The converter loads torch: only on first use, so that `dualflow convert --help` stays instant.
+    if name == "convert_checkpoint":
+        return importlib.import_module(".converter", __name__).convert_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,11 @@
-"""`dualflow convert SRC OUT`: command-line entry of the checkpoint converter."""
+"""`dualflow convert SRC OUT`: command-line entry of the checkpoint converter (torch is imported only to convert)."""
 
 import argparse
 
-from .converter import DTYPES, convert_checkpoint
 from .families import SUPPORTED_MODEL_TYPES
+
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
@@ -35,7 +37,7 @@ def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
         default=0,
         help="rank of the aux adapters (low-rank deltas acting on aux rows only; 0 = none); they start at zero",
     )
-    parser.add_argument("--dtype", choices=list(DTYPES), default="auto", help="output dtype; auto keeps the source's")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="output dtype; auto keeps the source's")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB")
     parser.add_argument(
         "--verify",
@@ -47,6 +49,8 @@ def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    from .converter import convert_checkpoint
+
     summary = convert_checkpoint(
         args.src,
         args.out,

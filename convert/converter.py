@@ -2,7 +2,6 @@
 
 import shlex
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -11,15 +10,17 @@ from transformers.utils.hub import convert_file_size_to_int
 import modeling_dualflow
 from dualflow.errors import DualFlowUserError
 from dualflow.model_card import license_of, write_model_card
+from dualflow.staging import staged_folder
 from modeling_dualflow import DualFlowConfig
 
+from .cli import DTYPE_NAMES
 from .engine import plan_targets, write_checkpoint
 from .families import family_for
 from .source import SourceCheckpoint, resolve_source
 from .verify import check_parity
 
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: None if name == "auto" else getattr(torch, name) for name in DTYPE_NAMES}
 # The files a remote-code load of the checkpoint imports (modeling_dualflow.py imports the other two).
 AUTO_MAP = {
     "AutoConfig": "configuration_dualflow.DualFlowConfig",
@@ -114,25 +115,6 @@ def _card_parity(parity: dict | None) -> dict | None:
     return {**parity, "max_abs_diff_aux": aux, "max_abs_diff_primary": f"{parity['max_abs_diff_primary']:.3g}"}
 
 
-def _sibling(out: Path, purpose: str) -> Path:
-    """A fresh hidden folder name next to `out` (same filesystem, so renames are atomic)."""
-    return out.parent / f".{out.name}.{purpose}-{uuid.uuid4().hex[:12]}"
-
-
-def _publish(tmp_dir: Path, out: Path):
-    """Swap the finished folder into place; an existing OUT (with --overwrite) is only removed once it is replaced."""
-    if not out.exists():
-        tmp_dir.rename(out)
-        return
-    trash = _sibling(out, "old")
-    out.rename(trash)
-    tmp_dir.rename(out)
-    if trash.is_dir() and not trash.is_symlink():
-        shutil.rmtree(trash)
-    else:  # --overwrite of a file (or a link) named OUT
-        trash.unlink()
-
-
 def convert_checkpoint(
     src: str | Path,
     out: str | Path,
@@ -183,10 +165,7 @@ def convert_checkpoint(
     config = build_config(source, aux_top_k, torch_dtype, aux_rounds, aux_adapter_rank)
     targets = plan_targets(source, family_for(source.model_type), config, torch_dtype)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = _sibling(out, "partial")
-    tmp_dir.mkdir()
-    try:
+    with staged_folder(out) as tmp_dir:
         summary = write_checkpoint(targets, source, tmp_dir, max_shard_bytes, show_progress)
         config.save_pretrained(tmp_dir)
         code_dir = Path(modeling_dualflow.__file__).parent
@@ -207,10 +186,6 @@ def convert_checkpoint(
             ),
             parity=_card_parity(parity),
         )
-        _publish(tmp_dir, out)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
     return {
         **summary,
         "out": str(out),

@@ -1,11 +1,14 @@
 """
 `dualflow` command line. Each subcommand lives in its own module exposing `build_parser(prog)` and `run(args)`; only
-the module of the command being run is imported, so `dualflow --help` and argument errors need no torch.
+the module of the command being run is imported, and it imports torch and transformers only in `run`, so `--help` and
+argument errors are instant. A DualFlowUserError (the user's mistake) or Ctrl-C ends in one line; any other exception
+is a bug in our code and keeps its traceback.
 """
 
 import argparse
 import importlib
 import sys
+from importlib.metadata import version
 
 from .errors import DualFlowUserError
 
@@ -18,7 +21,7 @@ COMMANDS = {
     ),
     "convert": ("dualflow.convert.cli", "upcycle a transformers checkpoint into a Dual-Flow checkpoint"),
     "finetune": (
-        "dualflow.finetune",
+        "dualflow.finetune_cli",
         "fine-tune a Dual-Flow model on a .txt / .jsonl corpus with transformers.Trainer",
     ),
     "push": ("dualflow.hub", "upload a Dual-Flow model (or LoRA adapter) folder to the Hugging Face Hub"),
@@ -38,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dualflow", description="Dual-Flow Transformers for transformers: convert, fine-tune, share and measure."
     )
+    parser.add_argument("--version", action="version", version=f"dualflow {version('dualflow-transformers')}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     for name, (_, help_text) in COMMANDS.items():
         subparsers.add_parser(name, help=help_text, add_help=False)
@@ -49,13 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints the help or the usage error and exits
     command = argv[0]
-    module = importlib.import_module(COMMANDS[command][0])
-    args = module.build_parser(f"dualflow {command}").parse_args(argv[1:])
     try:
+        module = importlib.import_module(COMMANDS[command][0])
+        args = module.build_parser(f"dualflow {command}").parse_args(argv[1:])
         return module.run(args) or 0
-    except (DualFlowUserError, FileNotFoundError, ValueError) as error:
+    except DualFlowUserError as error:
         print(f"dualflow {command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: what was kept, if anything, and no traceback
+        new_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C (or a progress bar's last line)
+        print(f"{new_line}dualflow {command}: interrupted{f'; {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

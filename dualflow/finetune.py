@@ -5,27 +5,26 @@ Three modes: full fine-tuning, `--aux-only` (only the aux flow's own parameters:
 model has them, round gates and aux adapters; the primary flow stays the source model bit for bit) and `--lora` (PEFT
 adapters on the shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt file (one document)
 or a .jsonl file (one {"text": ...} document per line), tokenized with the model folder's tokenizer and packed into
-fixed-size blocks.
+fixed-size blocks. The command line is `dualflow.finetune_cli`.
 """
 
-import argparse
 import json
-import os
 import shutil
-import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
 
 from .checkpoint import load_dualflow_config, load_tokenizer
-from .errors import DualFlowUserError
+from .errors import DualFlowInterrupted, DualFlowUserError
 from .lora import add_lora
-from .model_card import license_of, write_model_card
+from .model_card import license_of, write_adapter_card, write_model_card
 from .scoring import mean_token_nlls
+from .staging import staged_folder
 
 
 def read_texts(path) -> list[str]:
@@ -151,6 +150,31 @@ class FinetuneResult:
     trainable_parameters: int
 
 
+def training_objective(config) -> str:
+    """What Trainer's `train_loss` sums, in words: both flows' cross-entropies, so about twice the per-flow NLL."""
+    weight = "" if config.primary_loss_weight == 1 else f"{config.primary_loss_weight:g} x "
+    objective = f"aux-flow CE + {weight}primary-flow CE" if config.use_aux_flow else "primary-flow CE"
+    if config.num_experts:
+        objective += f" + {config.router_aux_loss_coef:g} x router balance loss"
+    return objective
+
+
+def keep_checkpoints(staging: Path, output_dir: Path) -> Path | None:
+    """
+    Move the complete Trainer checkpoints of an interrupted run out of its staging folder (removed after this) into
+    OUT-checkpoints next to OUT; returns the last one, None when there is none.
+    """
+    checkpoints = [path for path in staging.glob("checkpoint-*") if (path / "trainer_state.json").is_file()]
+    if not checkpoints:
+        return None
+    kept = output_dir.with_name(f"{output_dir.name}-checkpoints")
+    kept.mkdir(exist_ok=True)
+    for checkpoint in checkpoints:
+        shutil.rmtree(kept / checkpoint.name, ignore_errors=True)
+        checkpoint.rename(kept / checkpoint.name)
+    return Path(get_last_checkpoint(kept))
+
+
 def _check_output_dir(output_dir: Path):
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
         raise DualFlowUserError(f"output directory {output_dir} already exists and is not empty")
@@ -171,8 +195,9 @@ def finetune(
     """
     Fine-tune `model_path` on `data_path` and save the result into `output_dir`: the full model (loadable with
     `AutoModelForCausalLM`, also as remote code) or, with `lora`, the adapter (load it with `peft.PeftModel.from_pretrained`).
-    `training_arguments` go to `make_trainer`. The folder appears only once everything is written; Trainer's
-    checkpoints, if any are saved, end up inside it.
+    `training_arguments` go to `make_trainer` (`resume_from_checkpoint` to `Trainer.train`). The folder appears only
+    once everything is written; Trainer's checkpoints, if any are saved, end up inside it. Interrupted (Ctrl-C) after a
+    checkpoint was saved, the checkpoints are kept in OUT-checkpoints (raises DualFlowInterrupted saying so).
     """
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
@@ -184,104 +209,59 @@ def finetune(
         )
     output_dir = Path(output_dir)
     _check_output_dir(output_dir)
+    resume = training_arguments.pop("resume_from_checkpoint", None)
+    if resume is not None and not Path(resume, "trainer_state.json").is_file():
+        raise DualFlowUserError(f"--resume-from-checkpoint {resume} is not a Trainer checkpoint folder")
     texts = read_texts(data_path)
     config = load_dualflow_config(model_path)
     tokenizer = load_tokenizer(model_path)
     block_size = min(block_size, config.max_position_embeddings)
     train_blocks, eval_blocks = split_blocks(pack_blocks(texts, tokenizer, block_size), eval_fraction)
     print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
-    model = AutoModelForCausalLM.from_pretrained(model_path, config=config, dtype=torch.float32)
+    with staged_folder(output_dir) as staging:  # fails now, before training, if the output cannot be written
+        # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
+        source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32)
+        if aux_only:
+            model.freeze_for_aux_training()
+        # The router balance loss is part of the training objective (docs/design.md §3); restored before saving.
+        saved_router_setting = model.config.output_router_logits
+        model.config.output_router_logits = bool(model.config.num_experts)
+        if lora:
+            model = add_lora(model, lora_r, lora_alpha)
+        trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+        print(f"trainable parameters: {trainable:,}")
 
-    if aux_only:
-        model.freeze_for_aux_training()
-    # The router balance loss is part of the training objective (docs/design.md §3); restored before saving.
-    saved_router_setting = model.config.output_router_logits
-    model.config.output_router_logits = bool(model.config.num_experts)
-    if lora:
-        model = add_lora(model, lora_r, lora_alpha)
-    trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
-    print(f"trainable parameters: {trainable:,}")
-
-    # A hidden sibling folder (same filesystem, so the final rename is atomic) with the usual permissions.
-    staging = output_dir.parent / f".{output_dir.name}.partial-{uuid.uuid4().hex[:12]}"
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging.mkdir()
-    try:
         trainer = make_trainer(model, train_blocks, eval_blocks, staging, **training_arguments)
         eval_batch = trainer.args.per_device_eval_batch_size
         before = flow_nll(trainer.model, eval_blocks, eval_batch)
         print(f"eval NLL per token (nats) before: {_format_nll(before)}")
-        trainer.train()
+        print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except KeyboardInterrupt:
+            kept = keep_checkpoints(staging, output_dir)
+            if kept is None:
+                raise
+            raise DualFlowInterrupted(
+                f"checkpoints kept in {kept.parent}; to go on, rerun with --resume-from-checkpoint {kept}"
+            ) from None
         after = flow_nll(trainer.model, eval_blocks, eval_batch)
         print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
 
         model.config.output_router_logits = saved_router_setting
         model.save_pretrained(staging)
-        if not lora:
-            mode = "aux-only" if aux_only else "full"
+        mode = "LoRA" if lora else "aux-only" if aux_only else "full"
+        training = (
+            f"Fine-tuned ({mode}) with `dualflow finetune` on `{Path(data_path).name}`: eval NLL per token (nats) "
+            f"before: {_format_nll(before)}; after: {_format_nll(after)}."
+        )
+        if lora:
+            write_adapter_card(staging, config, str(source), repo_id=str(output_dir), extra=training)
+        else:
             write_model_card(
-                staging,
-                model.config,
-                repo_id=str(output_dir),
-                license=license_of(model_path),
-                extra=f"Fine-tuned ({mode}) with `dualflow finetune` on `{Path(data_path).name}`: eval NLL per "
-                f"token (nats) before: {_format_nll(before)}; after: {_format_nll(after)}.",
+                staging, model.config, repo_id=str(output_dir), license=license_of(model_path), extra=training
             )
         tokenizer.save_pretrained(staging)
-        if output_dir.exists():
-            output_dir.rmdir()  # empty, checked above
-        os.replace(staging, output_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     print(f"saved {'adapter' if lora else 'model'} to {output_dir}")
     return FinetuneResult(output_dir, before, after, trainable)
-
-
-@dataclass
-class FinetuneArguments:
-    """`dualflow finetune`'s own options; every `transformers.TrainingArguments` flag works too."""
-
-    data: str = field(metadata={"help": 'FILE.txt (one document) or FILE.jsonl (one {"text": ...} per line)'})
-    lora: bool = field(default=False, metadata={"help": "train LoRA adapters + the aux parameters; saves the adapter"})
-    aux_only: bool = field(
-        default=False,
-        metadata={"help": "train only the aux flow's own parameters (embedding, couplings, round gates, adapters)"},
-    )
-    block_size: int = field(default=512, metadata={"help": "tokens per training block (capped at the model's)"})
-    eval_fraction: float = field(default=0.1, metadata={"help": "share of blocks held out for evaluation"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank"})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
-
-
-# Short spellings kept from earlier versions: flag -> (TrainingArguments field, type).
-ALIASES = {
-    "--lr": ("learning_rate", float),
-    "--epochs": ("num_train_epochs", float),
-    "--batch-size": ("per_device_train_batch_size", int),
-    "--grad-accum": ("gradient_accumulation_steps", int),
-}
-
-
-def build_parser(prog: str = "dualflow finetune") -> HfArgumentParser:
-    parser = HfArgumentParser(
-        (FinetuneArguments, TrainingArguments),
-        prog=prog,
-        description=__doc__.strip().splitlines()[0]
-        + " Every transformers.TrainingArguments flag works (--max_steps or --max-steps, --bf16, ...); "
-        "--output-dir defaults to ./<model name>-finetuned (or -lora).",
-    )
-    parser.add_argument("model", help="Dual-Flow model folder (or Hub id) with a tokenizer")
-    for flag, (name, kind) in ALIASES.items():
-        parser.add_argument(flag, dest=name, type=kind, help=f"alias of --{name}")
-    parser.set_defaults(**TRAINER_DEFAULTS, output_dir=None)
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    values = dict(vars(args))
-    model = values.pop("model")
-    options = {item.name: values.pop(item.name) for item in fields(FinetuneArguments)}
-    suffix = "lora" if options["lora"] else "finetuned"
-    output_dir = values.pop("output_dir") or f"{Path(model).name}-{suffix}"
-    finetune(model, options.pop("data"), output_dir, **options, **values)
-    return 0

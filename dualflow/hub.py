@@ -4,7 +4,8 @@ Share Dual-Flow checkpoints on the Hugging Face Hub (`dualflow push`).
 A shared model folder must load anywhere with `trust_remote_code=True`: config.json with `auto_map`, the three code
 files, the weights and a model card. `push_model` (the arguments of transformers' `push_to_hub`) writes all of that,
 the Dual-Flow card from `model_cards/` included, and uploads it in one commit; `dualflow push` checks and uploads a
-folder that is already written.
+folder that is already written, and changes nothing in it unless the upload goes through. torch, transformers and
+huggingface_hub are imported only when needed, so `dualflow push --help` is instant.
 """
 
 import argparse
@@ -12,12 +13,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from huggingface_hub import HfApi, get_token
-
-from modeling_dualflow import REMOTE_CODE_FILES, DualFlowConfig
-
 from .errors import DualFlowUserError
-from .model_card import retarget_model_card, write_model_card
 
 
 AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
@@ -27,6 +23,8 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 def check_upload_folder(folder) -> str:
     """Raise a DualFlowUserError naming the first thing a shared folder lacks; return "model" or "adapter"."""
+    from modeling_dualflow import REMOTE_CODE_FILES
+
     folder = Path(folder)
     if not folder.is_dir():
         raise DualFlowUserError(f"{folder} is not a folder")
@@ -69,6 +67,10 @@ def check_upload_folder(folder) -> str:
 
 def ensure_model_card(folder, repo_id: str) -> bool:
     """Write the Dual-Flow model card into a model folder that has no README.md; True when one was written."""
+    from modeling_dualflow import DualFlowConfig
+
+    from .model_card import write_model_card
+
     if (Path(folder) / "README.md").is_file():
         return False
     write_model_card(folder, DualFlowConfig.from_pretrained(folder), repo_id=repo_id)
@@ -77,6 +79,8 @@ def ensure_model_card(folder, repo_id: str) -> bool:
 
 def hub_token(token: str | None = None) -> str:
     """The token to upload with; checked before any network call."""
+    from huggingface_hub import get_token
+
     token = token or get_token()
     if not token:
         raise DualFlowUserError("no Hugging Face token: run `hf auth login`, set HF_TOKEN or pass --token")
@@ -95,24 +99,50 @@ def push_folder(
     Check `folder`, add the card if missing, create `repo_id` (if needed) and upload the folder; returns its URL.
     `upload_kwargs` (commit_description, revision, create_pr) go to `HfApi.upload_folder`.
     """
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from .model_card import retarget_model_card
+
     kind = check_upload_folder(folder)
-    token = hub_token(token)
-    if kind == "model" and ensure_model_card(folder, repo_id):
-        print(f"wrote a model card to {Path(folder) / 'README.md'}")
-    elif kind == "model" and retarget_model_card(folder, repo_id):
-        print(f"pointed the model card's usage snippets at {repo_id}")
-    api = HfApi(token=token)
     try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise DualFlowUserError(f"{repo_id!r} is not a Hub repo id (like your-name/model-dualflow): {error}") from None
+    token = hub_token(token)
+    api = HfApi(token=token)
+    try:  # the first network call: offline, no network or a refused token fail here, before the folder is touched
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    except Exception as error:  # HTTP status errors, offline mode, and transport errors (refused, DNS, timeout)
+        raise _upload_failed(repo_id, error) from None
+    card_path = Path(folder) / "README.md"
+    card_before = card_path.read_bytes() if card_path.is_file() else None
+    card_note = None
+    if kind == "model" and ensure_model_card(folder, repo_id):
+        card_note = f"wrote a model card to {card_path}"
+    elif kind == "model" and retarget_model_card(folder, repo_id):
+        card_note = f"pointed the model card's usage snippets at {repo_id}"
+    try:
         api.upload_folder(
             repo_id=repo_url.repo_id,
             folder_path=folder,
             commit_message=commit_message or f"Upload Dual-Flow {kind}",
             **upload_kwargs,
         )
-    except Exception as error:  # HTTP status errors, offline mode, and transport errors (refused, DNS, timeout)
-        raise DualFlowUserError(f"upload to {repo_id} failed: {str(error).splitlines()[0]}") from None
+    except Exception as error:
+        # A failed push changes nothing locally: the card goes back to what it was.
+        if card_before is None:
+            card_path.unlink(missing_ok=True)
+        else:
+            card_path.write_bytes(card_before)
+        raise _upload_failed(repo_id, error) from None
+    if card_note:
+        print(card_note)
     return str(repo_url)
+
+
+def _upload_failed(repo_id: str, error: Exception) -> DualFlowUserError:
+    return DualFlowUserError(f"upload to {repo_id} failed: {str(error).splitlines()[0]}")
 
 
 def prepare_upload_folder(model, folder, tokenizer=None, max_shard_size="50GB", **card_kwargs) -> Path:
@@ -121,6 +151,8 @@ def prepare_upload_folder(model, folder, tokenizer=None, max_shard_size="50GB", 
     of a DualFlowForCausalLM), the tokenizer if given, and the Dual-Flow card (`card_kwargs` go to
     `dualflow.model_card.render_model_card`, e.g. repo_id, base_model, license, tags).
     """
+    from .model_card import write_model_card
+
     folder = Path(folder)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if tokenizer is not None:

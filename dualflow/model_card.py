@@ -1,5 +1,6 @@
 """Model cards for Dual-Flow checkpoints, rendered from `model_cards/dualflow.md` with huggingface_hub."""
 
+import json
 import re
 from importlib import resources
 from pathlib import Path
@@ -71,6 +72,36 @@ def license_of(folder) -> str | None:
     """The `license` in the YAML metadata of `folder/README.md`, if the folder has a card."""
     card = Path(folder) / "README.md"
     return (metadata_load(card) or {}).get("license") if card.is_file() else None
+
+
+def write_adapter_card(out_dir, config, base_model: str, repo_id: str, extra: str | None = None) -> Path:
+    """
+    Card of a `dualflow finetune --lora` adapter folder (replacing PEFT's placeholder README.md): the base model, how
+    to load and merge it, and `extra` (how it was trained). Reads r and alpha from the folder's adapter_config.json.
+    """
+    out_dir = Path(out_dir)
+    adapter_config = json.loads((out_dir / "adapter_config.json").read_text())
+    card_data = ModelCardData(
+        library_name="peft",
+        pipeline_tag="text-generation",
+        tags=["dual-flow", "custom_code", "lora"] + (["moe"] if config.num_experts else []),
+        # Hub metadata names a Hub repo; a local base folder is named in the text only.
+        base_model=base_model if not Path(base_model).is_absolute() else None,
+    )
+    template = resources.files("dualflow.model_cards").joinpath("dualflow_adapter.md").read_text()
+    card = ModelCard.from_template(
+        card_data,
+        template_str=template,
+        model_name=repo_id.rstrip("/").split("/")[-1],
+        repo_id=repo_id,
+        base_model=base_model,
+        lora_r=adapter_config["r"],
+        lora_alpha=adapter_config["lora_alpha"],
+        num_experts=config.num_experts,
+        extra=extra,
+    )
+    card.save(out_dir / "README.md")
+    return out_dir / "README.md"
 
 
 def write_model_card(out_dir, config, **kwargs) -> Path:

@@ -24,10 +24,11 @@ fi
 # torch and transformers stay the ones vLLM pinned; this package and its other dependencies go in beside them.
 $py -m pip install -q --no-deps -e .
 $py - <<'PY' | xargs -d '\n' $py -m pip install -q "pytest>=8" "pytest-timeout>=2.3"
-import tomllib
+from importlib.metadata import requires
 
-for requirement in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
-    if not requirement.startswith(("torch", "transformers")):
+# The dependencies pip recorded for this package (Python 3.10 has no tomllib to read pyproject.toml), no extras.
+for requirement in requires("dualflow-transformers"):
+    if "extra ==" not in requirement and not requirement.startswith(("torch", "transformers")):
         print(requirement)
 PY
 $py -c "import vllm, dualflow.serving; print('vllm', vllm.__version__, 'ready in .venv-vllm')"

@@ -4,8 +4,11 @@ import os
 import tempfile
 
 
-# transformers reads HF_MODULES_CACHE at import: point it at a private folder before anything imports it.
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="dualflow-hf-modules-"))
+# transformers reads HF_MODULES_CACHE at import: point it at a private folder before anything imports it. The folder
+# is removed when the test process exits (TemporaryDirectory's finalizer).
+if "HF_MODULES_CACHE" not in os.environ:
+    _modules_cache = tempfile.TemporaryDirectory(prefix="dualflow-hf-modules-")
+    os.environ["HF_MODULES_CACHE"] = _modules_cache.name
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -4,9 +4,12 @@ import importlib
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
-from dualflow.cli import COMMANDS
+import pytest
+
+from dualflow.cli import COMMANDS, main
 
 
 HEAVY = ("torch", "transformers", "huggingface_hub")
@@ -15,7 +18,7 @@ HEAVY = ("torch", "transformers", "huggingface_hub")
 def run_cli(*argv) -> subprocess.CompletedProcess:
     code = (
         "import sys\nfrom dualflow.cli import main\n"
-        "try:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n    status = exit.code\n"
+        "try:\n    status = main(sys.argv[1:])\nexcept SystemExit as exit:\n    status = exit.code\n"
         f"print('heavy imports:', [name for name in {HEAVY!r} if name in sys.modules], file=sys.stderr)\n"
         "sys.exit(status)"
     )
@@ -63,3 +66,76 @@ def test_core_tools_work_without_the_instruments_extra():
         env={**os.environ, "PYTHONPATH": tests_dir},
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
+
+
+def test_version():
+    completed = run_cli("--version")
+    assert completed.returncode == 0 and completed.stdout.strip() == f"dualflow {version('dualflow-transformers')}"
+
+
+def test_tests_remove_their_remote_code_module_folder():
+    # conftest points HF_MODULES_CACHE at a temporary folder; a test process must not leave it behind.
+    code = "import os, conftest\nprint(os.environ['HF_MODULES_CACHE'])"
+    env = {key: value for key, value in os.environ.items() if key != "HF_MODULES_CACHE"}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    folder = Path(completed.stdout.strip().splitlines()[-1])
+    assert folder.name.startswith("dualflow-hf-modules-") and not folder.exists()
+
+
+LIGHT_COMMANDS = ("convert", "finetune", "push", "demo", "compare")
+
+
+def test_subcommand_help_and_argument_errors_without_heavy_imports():
+    for name in LIGHT_COMMANDS:
+        completed = run_cli(name, "--help")
+        assert completed.returncode == 0 and f"usage: dualflow {name}" in completed.stdout
+        assert completed.stderr.strip() == "heavy imports: []", name
+        completed = run_cli(name, "--no-such-flag", "x")
+        assert completed.returncode == 2 and "heavy imports: []" in completed.stderr, name
+
+
+def test_finetune_help_and_errors_are_short():
+    completed = run_cli("finetune", "--help")
+    assert len(completed.stdout.splitlines()) < 60 and "--help-trainer" in completed.stdout
+    assert completed.stdout.index("--data") < completed.stdout.index("--help-trainer")
+    completed = run_cli("finetune")  # no model, no --data: the short usage and one error line
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines()[:2] == [
+        "usage: dualflow finetune MODEL --data FILE [--output-dir DIR] [options] [TrainingArguments flags]",
+        "dualflow finetune: error: the following arguments are required: model, --data",
+    ]
+    completed = run_cli("finetune", "some/model", "--data", "x.txt", "--max-steps", "many")
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines()[0] == (
+        "dualflow finetune: error: argument --max_steps/--max-steps: invalid int value: 'many'"
+    )
+
+
+def test_only_user_errors_are_one_line_exits(tmp_path, monkeypatch, capsys):
+    # A DualFlowUserError is the user's mistake: one line, exit 2.
+    assert main(["push", str(tmp_path / "missing"), "someone/model"]) == 2
+    assert capsys.readouterr().err == f"dualflow push: error: {tmp_path / 'missing'} is not a folder\n"
+    # Any other exception is a bug in our code: it reaches the caller with its traceback, even a ValueError.
+    import dualflow.hub
+
+    def buggy_check(folder):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(dualflow.hub, "check_upload_folder", buggy_check)
+    with pytest.raises(ValueError, match="a bug"):
+        main(["push", str(tmp_path), "someone/model"])
+
+
+def test_experiment_checks_matplotlib_before_training(tmp_path):
+    code = "import sys; sys.modules['matplotlib'] = None\nfrom dualflow.cli import main\nsys.exit(main(sys.argv[1:]))"
+    out = tmp_path / "runs"
+    command = [sys.executable, "-c", code, "experiment", "--quick", "--out", str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines() == [
+        "dualflow experiment: error: plots need matplotlib: pip install 'dualflow-transformers[instruments]' "
+        "(or pip install matplotlib)"
+    ]
+    assert not out.exists()  # nothing trained, nothing written

@@ -4,9 +4,11 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -406,3 +408,32 @@ def test_peak_memory_stays_near_largest_tensor(tmp_path):
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
     assert baseline > 100 * 2**20  # torch + transformers are imported: the measure is the child's own
     assert peak - baseline < bound, f"conversion used {(peak - baseline) / 2**20:.0f} MiB over the interpreter"
+
+
+@pytest.mark.parametrize("where", ["sys", "file"])
+def test_unwritable_output_folder_is_one_line_error(tmp_path, where):
+    # Tests run as root, which writes through chmod 0o555: /sys refuses new folders to root too, and so does a file.
+    src = save_source(make_source("mixtral"), tmp_path / "src", "single")
+    (tmp_path / "a-file").write_text("not a folder")
+    out = Path("/sys/dualflow-test-out") if where == "sys" else tmp_path / "a-file" / "out"
+    code, stderr = run_cli("convert", src, out)
+    assert code == 2
+    assert stderr.count("\n") == 1 and stderr.startswith(
+        f"dualflow convert: error: cannot write the output folder {out}: "
+    )
+    assert not out.exists()
+
+
+def test_ctrl_c_during_convert_is_one_line_and_leaves_nothing(tmp_path):
+    src = save_source(make_source("mixtral"), tmp_path / "src", "single")
+    command = [sys.executable, "-m", "dualflow.cli", "convert", str(src), str(tmp_path / "out"), "--verify"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # --verify loads and runs both models after the folder is written: seconds in which to press Ctrl-C.
+    while not any(tmp_path.glob(".out.partial-*/config.json")):
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == "dualflow convert: interrupted"
+    assert [path.name for path in tmp_path.iterdir()] == ["src"]

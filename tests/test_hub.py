@@ -176,3 +176,19 @@ def test_push_without_token_is_a_clear_error(upload_folder, tmp_path):
     assert completed.stderr.strip().splitlines()[-1] == f"dualflow push: error: {message}"
     assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"status": 2, "push_model_error": message}
     assert not (folder / "README.md").exists()  # nothing is written before the token check passes
+
+
+def test_failed_push_changes_nothing_locally(upload_folder, capsys):
+    # A card `dualflow convert` wrote for the local folder: a push would point it at the repo, a failed one must not.
+    model, folder = upload_folder
+    write_model_card(folder, model.config, repo_id="./tiny-local")
+    for card in ("retargeted", "missing"):
+        before = {path.name: path.read_bytes() for path in folder.iterdir()}
+        assert cli_main(["push", str(folder), "not a repo id", "--token", "hf_unused"]) == 2
+        assert "'not a repo id' is not a Hub repo id" in capsys.readouterr().err
+        # HF_HUB_OFFLINE=1 (conftest): the network is tried before the card is touched.
+        assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--token", "hf_unused"]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith("dualflow push: error: upload to someone/tiny-dualflow failed") and "\n" not in error
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == before, card
+        (folder / "README.md").unlink(missing_ok=True)

@@ -3,13 +3,19 @@
 import inspect
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import enable_activation_checkpointing, tiny_model
+from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
 from dualflow.cli import main as cli_main
@@ -195,6 +201,8 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     trainer_flags = (f"--{checkpointing}-checkpointing", "--lr_scheduler_type", "constant", "--weight-decay", 0.01)
     assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "full", *trainer_flags, *common) == 0
     output = capsys.readouterr().out
+    # Trainer's train_loss sums both flows (about twice the per-flow eval NLL): the output says so.
+    assert "train_loss (Trainer's) = aux-flow CE + primary-flow CE + 0.001 x router balance loss" in output
     before, after = printed_nll(output, "before"), printed_nll(output, "after")
     # Per token and per flow: near ln(384) = 5.95 for a random byte-level model, not the sum of two flows' losses.
     assert set(before) == {"aux flow", "primary flow"} and all(5.0 < value < 7.0 for value in before.values())
@@ -213,7 +221,8 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     assert not all(torch.equal(full.get_parameter(n), source.get_parameter(n)) for n in shared)
 
 
-def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys):
+def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(model_dir.parent)  # the model given as a relative path, as a user types it
     data = tmp_path / "corpus.jsonl"
     lines = stdlib_text("textwrap.py", chars=6000).split("\n\n")
     data.write_text("\n".join(json.dumps({"text": chunk, "id": i}) for i, chunk in enumerate(lines)) + "\n")
@@ -232,9 +241,19 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys):
         "--max-steps",
         2,
     )
-    assert run_cli(model_dir, *argv) == 0
+    assert run_cli(model_dir.name, *argv) == 0
     assert set(printed_nll(capsys.readouterr().out, "after")) == {"aux flow", "primary flow"}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    # The adapter names its base model by a path that loads from any directory, and has a card of its own.
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    adapter = AutoPeftModelForCausalLM.from_pretrained(out)
+    assert type(adapter.get_base_model()).__name__ == "DualFlowForCausalLM"
+    card = (out / "README.md").read_text()
+    assert "More Information Needed" not in card and "LoRA adapter" in card and str(model_dir) in card
+    assert "dual-flow" in yaml.safe_load(card.split("---\n")[1])["tags"]
 
 
 @pytest.mark.parametrize(
@@ -274,3 +293,52 @@ def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, caps
     assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "taken") == 2
     assert "already exists and is not empty" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
+
+
+def wait_for(pattern: str, folder: Path, process: subprocess.Popen, timeout: float = 600) -> None:
+    """Poll until `folder.glob(pattern)` finds something (the process must still be running)."""
+    deadline = time.monotonic() + timeout
+    while not any(folder.glob(pattern)):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_ctrl_c_keeps_checkpoints_where_resume_finds_them(model_dir, tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=6000))
+    out = tmp_path / "out"
+    common = ["--data", data, "--output-dir", out, "--block-size", 32, "--batch-size", 4, "--disable-tqdm", "true"]
+    common += ["--save-strategy", "steps", "--save-steps", 1]
+    command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *common, "--max-steps", 100_000]
+    process = subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(".out.partial-*/checkpoint-*/trainer_state.json", tmp_path, process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130
+    kept = tmp_path / "out-checkpoints"
+    last = max(kept.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    # One line and no traceback after transformers' own progress bars (loading, saving).
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == (
+        f"dualflow finetune: interrupted; checkpoints kept in {kept}; to go on, rerun with --resume-from-checkpoint {last}"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "out-checkpoints", "tiny-dualflow"]
+
+    step = int(last.name.split("-")[1])
+    assert run_cli(model_dir, *common, "--max-steps", step + 1, "--resume-from-checkpoint", last) == 0
+    state = json.loads((out / f"checkpoint-{step + 1}" / "trainer_state.json").read_text())
+    assert state["global_step"] == step + 1  # went on from the kept checkpoint, not from step 0
+
+
+@pytest.mark.parametrize("where", ["sys", "file"])
+def test_unwritable_output_folder_is_one_line_error(model_dir, tmp_path, capsys, where):
+    # Tests run as root, which writes through chmod 0o555: /sys refuses new folders to root too, and so does a file.
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=3000))
+    (tmp_path / "a-file").write_text("not a folder")
+    out = Path("/sys/dualflow-test-out") if where == "sys" else tmp_path / "a-file" / "out"
+    capsys.readouterr()
+    assert run_cli(model_dir, "--data", data, "--output-dir", out, "--block-size", 32) == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith(f"dualflow finetune: error: cannot write the output folder {out}: ")
+    assert not out.exists()

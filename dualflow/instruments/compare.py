@@ -118,7 +118,8 @@ def run(args) -> int:
     if report["decode_ms_per_aux_round"]:
         per_round = ", ".join(f"batch {B}: {ms:.2f} ms" for B, ms in report["decode_ms_per_aux_round"].items())
         print(f"decode time per step added by each aux round after the first: {per_round}")
-    print(f"peak memory: {report['peak_memory_method']}")
+    if "peak memory MiB" in report["table"]:
+        print(f"peak memory: {report['peak_memory_method']}")
     print(f"val loss: mean next-token NLL over {report['settings']['eval_tokens']} tokens of {len(data_names)} file(s)")
     if report["noisy_timings"]:
         print(noise_warning(report["noisy_timings"]))

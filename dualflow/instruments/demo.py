@@ -10,24 +10,25 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-from ..convert import convert_checkpoint
-from .data import BYTE_VOCAB_SIZE, decode_bytes, encode_bytes
-from .inputs import data_tokens, load_checkpoint
-from .measure import CompareSettings, compare_report, noise_warning
+from ..errors import DualFlowUserError
 
 
+# torch and transformers are imported in the functions that use them, so that `dualflow demo --help` is instant.
 PROMPT = "def fibonacci(n):"
 NEW_TOKENS = 12
-DEMO_SETTINGS = CompareSettings(
+# CompareSettings fields of the short `dualflow compare` in step 4.
+DEMO_SETTINGS = dict(
     prompt_lengths=(32, 256), batch_sizes=(1, 4), decode_tokens=8, repeats=3, eval_block_size=128, eval_blocks=8
 )
 
 
 def tiny_qwen3_moe(folder: Path) -> Path:
     """A random tiny Qwen3-MoE (8 experts, top-2) saved the way transformers saves any model."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from .data import BYTE_VOCAB_SIZE
+
     config = Qwen3MoeConfig(
         vocab_size=BYTE_VOCAB_SIZE,
         hidden_size=64,
@@ -46,7 +47,7 @@ def tiny_qwen3_moe(folder: Path) -> Path:
     return folder
 
 
-def _generate(model, prompt_ids: torch.Tensor, **kwargs) -> list[int]:
+def _generate(model, prompt_ids, **kwargs) -> list[int]:
     output = model.generate(prompt_ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **kwargs)
     return output[0, prompt_ids.shape[1] :].tolist()
 
@@ -58,10 +59,30 @@ def build_parser(prog: str = "dualflow demo") -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", help="keep the converted checkpoint in this folder (default: a temporary one)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEMO_SETTINGS["repeats"],
+        help=f"interleaved repeats per timing in step 4 (median; default {DEMO_SETTINGS['repeats']})",
+    )
     return parser
 
 
 def run(args) -> int:
+    if args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        raise DualFlowUserError(f"--repeats and --threads must be >= 1, got {args.repeats} and {args.threads}")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..convert import convert_checkpoint
+    from .data import decode_bytes, encode_bytes
+    from .inputs import data_tokens, load_checkpoint
+    from .measure import CompareSettings, compare_report, noise_warning
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    settings = CompareSettings(**{**DEMO_SETTINGS, "repeats": args.repeats})
     with tempfile.TemporaryDirectory(prefix="dualflow-demo-") as tmp:
         source = tiny_qwen3_moe(Path(tmp) / "tiny-qwen3-moe")
         print(f"1. built a random tiny Qwen3MoeForCausalLM (8 experts, top-2) in {source}")
@@ -94,9 +115,12 @@ def run(args) -> int:
         print("4. dualflow compare on the converted checkpoint (byte-level stdlib text):")
         measured_model, tokenizer = load_checkpoint(converted)
         tokens, data_names = data_tokens(None, tokenizer)
-        report = compare_report(measured_model, str(converted), data_names, tokens, DEMO_SETTINGS)
+        report = compare_report(measured_model, str(converted), data_names, tokens, settings)
         print(report["table"])
-        print(f"   timings: medians of {DEMO_SETTINGS.repeats} repeats (ratio to primary-only, range over repeats)")
+        print(
+            f"   timings: medians of {settings.repeats} repeats (ratio to primary-only, range over repeats), "
+            f"torch threads: {torch.get_num_threads()}"
+        )
         if report["noisy_timings"]:
             print("   " + noise_warning(report["noisy_timings"]))
         print("   (untrained aux flow: expect little quality difference; ratios show what the aux flow costs)")

@@ -27,6 +27,7 @@ from modeling_dualflow import DualFlowConfig
 from ..errors import DualFlowUserError
 from ..scoring import mean_token_nll, mean_token_nlls
 from .data import check_data_files, read_byte_tokens, split_files, spread_blocks, stdlib_source_files
+from .plots import pyplot
 from .tables import text_table
 from .tiny_lm import TinyScale, tiny_moe_config, train_language_model
 
@@ -672,6 +673,7 @@ def run(args) -> int:
         from .upcycle import run_upcycle  # imports the converter and PEFT, which the default regime does not need
 
         return run_upcycle(args, scale, num_seeds, jobs)
+    pyplot()  # fails now, not after every run has trained, when matplotlib (the `instruments` extra) is missing
     arms, skipped = select_arms(args.arms)
     out = Path(args.out)
     if out.exists() and not out.is_dir():

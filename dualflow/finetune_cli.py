@@ -1,0 +1,130 @@
+"""
+`dualflow finetune MODEL --data FILE`: command line of `dualflow.finetune`. Our own flags are parsed here without
+torch or transformers (instant --help and argument errors); every other flag goes to `transformers.TrainingArguments`'
+own parser, which is imported only to run.
+"""
+
+import argparse
+from pathlib import Path
+
+from .errors import DualFlowUserError
+
+
+USAGE = "%(prog)s MODEL --data FILE [--output-dir DIR] [options] [TrainingArguments flags]"
+# Short spellings kept from earlier versions: flag -> (TrainingArguments field, type).
+ALIASES = {
+    "--lr": ("learning_rate", float),
+    "--epochs": ("num_train_epochs", float),
+    "--batch-size": ("per_device_train_batch_size", int),
+    "--grad-accum": ("gradient_accumulation_steps", int),
+}
+TRAINER_FLAGS = (
+    "Every transformers.TrainingArguments field is a flag too, spelled --max_steps or --max-steps: --max-steps N, "
+    "--bf16, --save-strategy steps --save-steps N, --resume-from-checkpoint DIR, --weight-decay X, ... "
+    "(`%(prog)s --help-trainer` lists all of them)."
+)
+
+
+def trainer_parser(prog: str):
+    """transformers' parser of TrainingArguments, with this package's defaults (imports transformers)."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from .finetune import TRAINER_DEFAULTS
+
+    # exit_on_error=False: a bad Trainer flag becomes a DualFlowUserError, not 116 lines of usage.
+    parser = HfArgumentParser(TrainingArguments, prog=prog, usage=USAGE, exit_on_error=False)
+    parser.set_defaults(**TRAINER_DEFAULTS)
+    return parser
+
+
+class TrainerHelp(argparse.Action):
+    """--help-trainer: print every TrainingArguments flag and exit."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        trainer_parser(parser.prog).print_help()
+        parser.exit()
+
+
+class FinetuneParser(argparse.ArgumentParser):
+    """Parses our own flags; the flags it does not know are kept in `trainer_flags` for TrainingArguments."""
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, trainer_flags = self.parse_known_args(args, namespace)
+        namespace.trainer_flags = trainer_flags
+        return namespace
+
+
+def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
+    parser = FinetuneParser(
+        prog=prog,
+        usage=USAGE,
+        description="Fine-tune a Dual-Flow model on a text corpus with transformers.Trainer: all weights (default), "
+        "--aux-only or --lora.",
+        epilog=TRAINER_FLAGS,
+        allow_abbrev=False,  # a prefix of one of our flags must not swallow a Trainer flag
+    )
+    parser.add_argument("model", help="Dual-Flow model folder (or Hub id) with a tokenizer")
+    parser.add_argument(
+        "--data", required=True, help='FILE.txt (one document) or FILE.jsonl (one {"text": ...} per line)'
+    )
+    parser.add_argument(
+        "--output-dir", "--output_dir", help="where to save the result (default: ./<model name>-finetuned or -lora)"
+    )
+    parser.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters + the aux parameters; saves the adapter"
+    )
+    parser.add_argument(
+        "--aux-only",
+        "--aux_only",
+        action="store_true",
+        help="train only the aux flow's own parameters (embedding, couplings, round gates, adapters)",
+    )
+    parser.add_argument(
+        "--block-size",
+        "--block_size",
+        type=int,
+        default=512,
+        help="tokens per training block, capped at the model's (512)",
+    )
+    parser.add_argument(
+        "--eval-fraction",
+        "--eval_fraction",
+        type=float,
+        default=0.1,
+        help="share of blocks held out for evaluation (0.1)",
+    )
+    parser.add_argument("--lora-r", "--lora_r", type=int, default=16, help="LoRA rank (16)")
+    parser.add_argument("--lora-alpha", "--lora_alpha", type=int, default=32, help="LoRA alpha (32)")
+    for flag, (name, kind) in ALIASES.items():
+        parser.add_argument(flag, dest=name, type=kind, help=f"alias of --{name.replace('_', '-')}")
+    parser.add_argument("--help-trainer", action=TrainerHelp, help="list every TrainingArguments flag and exit")
+    parser.set_defaults(prog=prog)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from .finetune import finetune
+
+    options = dict(vars(args))
+    prog, trainer_flags, model = options.pop("prog"), options.pop("trainer_flags"), options.pop("model")
+    try:
+        training, unknown = trainer_parser(prog).parse_known_args(trainer_flags)
+    except argparse.ArgumentError as error:
+        raise DualFlowUserError(str(error)) from None
+    if unknown:
+        raise DualFlowUserError(
+            f"unrecognized arguments: {' '.join(unknown)} (see {prog} --help and {prog} --help-trainer)"
+        )
+    training = vars(training)
+    del training["output_dir"]  # ours (the Trainer writes into a staging folder)
+    for name, _ in ALIASES.values():
+        value = options.pop(name)
+        if value is not None:
+            training[name] = value
+    suffix = "lora" if options["lora"] else "finetuned"
+    output_dir = options.pop("output_dir") or f"{Path(model).name}-{suffix}"
+    finetune(model, options.pop("data"), output_dir, **options, **training)
+    return 0
