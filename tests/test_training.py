@@ -1,36 +1,15 @@
 """Training with transformers.Trainer: loss goes down, gradient accumulation, checkpointing, aux-only, the CLI."""
 
-import inspect
 import json
 import os
 import stat
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import enable_activation_checkpointing, tiny_model
+from helpers import byte_model, enable_activation_checkpointing, run_finetune, stdlib_blocks, stdlib_text
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
-from dualflow.cli import main as cli_main
-from dualflow.finetune import make_trainer, pack_blocks, split_blocks
-
-
-# A byte-level tokenizer that needs no files: ids 3..258 are the bytes, 384 ids in all.
-BYTE_VOCAB = 384
-STDLIB = Path(inspect.__file__).parent
-
-
-def stdlib_text(*names: str, chars: int = 40_000) -> str:
-    return "".join((STDLIB / name).read_text(encoding="utf-8") for name in names)[:chars]
-
-
-def stdlib_blocks(block_size: int, chars: int = 40_000) -> torch.Tensor:
-    return pack_blocks([stdlib_text("inspect.py", "textwrap.py", chars=chars)], ByT5Tokenizer(), block_size)
-
-
-def byte_model(seed: int = 0, **overrides):
-    return tiny_model(seed=seed, random_coupling=False, vocab_size=BYTE_VOCAB, **overrides)
+from dualflow.finetune import make_trainer, split_blocks
 
 
 def sgd_update(model, blocks, output_dir, labels=None, **trainer_options) -> tuple[dict, float]:
@@ -169,15 +148,6 @@ def model_dir(tmp_path):
     return path
 
 
-def run_cli(*argv) -> int:
-    """Run `dualflow finetune`; any warning (torch's pin_memory on CPU, deprecations) fails the test."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        status = cli_main(["finetune", *map(str, argv)])
-    assert [str(warning.message) for warning in caught] == []
-    return status
-
-
 def printed_nll(output: str, when: str) -> dict[str, float]:
     """{"aux flow": ..., "primary flow": ...} from the line `eval NLL per token (nats) <when>: aux flow x, primary flow y`."""
     line = next(line for line in output.splitlines() if line.startswith(f"eval NLL per token (nats) {when}:"))
@@ -193,7 +163,7 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     # Trainer's own flags (HfArgumentParser), in both spellings; transformers 5.23 renamed gradient_checkpointing.
     checkpointing = "activation" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient"
     trainer_flags = (f"--{checkpointing}-checkpointing", "--lr_scheduler_type", "constant", "--weight-decay", 0.01)
-    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "full", *trainer_flags, *common) == 0
+    assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "full", *trainer_flags, *common) == 0
     output = capsys.readouterr().out
     before, after = printed_nll(output, "before"), printed_nll(output, "after")
     # Per token and per flow: near ln(384) = 5.95 for a random byte-level model, not the sum of two flows' losses.
@@ -205,7 +175,7 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     os.umask(umask)
     assert stat.S_IMODE((tmp_path / "full").stat().st_mode) == 0o777 & ~umask  # like mkdir, not mkdtemp's 0700
 
-    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "aux", "--aux-only", *common) == 0
+    assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "aux", "--aux-only", *common) == 0
     aux_only = AutoModelForCausalLM.from_pretrained(tmp_path / "aux")
     source = AutoModelForCausalLM.from_pretrained(model_dir)
     shared = [name for name, _ in source.named_parameters() if name not in source.aux_parameter_names()]
@@ -232,7 +202,7 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys):
         "--max-steps",
         2,
     )
-    assert run_cli(model_dir, *argv) == 0
+    assert run_finetune(model_dir, *argv) == 0
     assert set(printed_nll(capsys.readouterr().out, "after")) == {"aux flow", "primary flow"}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
 
@@ -250,7 +220,7 @@ def test_finetune_cli_bad_data_is_one_line_error(model_dir, tmp_path, capsys, na
     data = tmp_path / name
     data.write_text(content)
     out = tmp_path / "out"
-    assert run_cli(model_dir, "--data", data, "--output-dir", out, "--block-size", 64) == 2
+    assert run_finetune(model_dir, "--data", data, "--output-dir", out, "--block-size", 64) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("dualflow finetune: error: ") and message in error
     assert not out.exists()
@@ -262,7 +232,7 @@ def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, caps
     no_tokenizer = tmp_path / "no-tokenizer"
     byte_model().save_pretrained(no_tokenizer)
     capsys.readouterr()
-    assert run_cli(no_tokenizer, "--data", data, "--output-dir", tmp_path / "out") == 2
+    assert run_finetune(no_tokenizer, "--data", data, "--output-dir", tmp_path / "out") == 2
     error = capsys.readouterr().err.strip()
     assert error == (
         f"dualflow finetune: error: {no_tokenizer} has no tokenizer: add the source model's, e.g. "
@@ -271,6 +241,6 @@ def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, caps
     )
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "taken") == 2
+    assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "taken") == 2
     assert "already exists and is not empty" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]

@@ -1,11 +1,19 @@
-"""The supported transformers range: what pyproject.toml declares is what CI tests at both ends."""
+"""
+The supported transformers range: what pyproject.toml declares is what CI tests at both ends, and what the model file
+does to run across it.
+"""
 
+import ast
 import re
 from pathlib import Path
 
+import torch
 import transformers
+from helpers import tiny_model
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+import modeling_dualflow
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,3 +31,36 @@ def test_ci_tests_the_lowest_supported_transformers():
     lower_bounds = [Version(s.version) for s in transformers_requirement().specifier if s.operator == ">="]
     pinned = re.findall(r'TRANSFORMERS_SPEC="transformers==([\d.]+)"', (ROOT / ".ci" / "run").read_text())
     assert len(lower_bounds) == 1 and [Version(v) for v in pinned] == lower_bounds
+
+
+def test_model_file_speaks_the_cache_name_of_the_installed_transformers():
+    """
+    The model file's compatibility section: 5.19-5.23 pass and read the cache as `past_key_values`, 5.24 on as `cache`.
+    Outputs carry it under the installed version's field; forward takes it under either keyword.
+    """
+    name = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
+    assert modeling_dualflow.modeling_dualflow.CACHE_FIELD == name
+    model = tiny_model()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9]])
+    steps = {}
+    for keyword in ("past_key_values", "cache"):
+        prefill = model(input_ids[:, :3], use_cache=True)
+        assert name in type(prefill).__dataclass_fields__ and prefill[name].get_seq_length() == 3
+        steps[keyword] = model(input_ids[:, 3:], **{keyword: prefill[name]}).logits
+    assert torch.equal(steps["past_key_values"], steps["cache"])
+    torch.testing.assert_close(steps["cache"], model(input_ids).logits[:, 3:], rtol=0, atol=1e-5)
+    generated = model.generate(input_ids, max_new_tokens=2, return_dict_in_generate=True)
+    assert generated[name].get_seq_length() == input_ids.shape[1] + 1  # the last new token is not fed back
+
+
+def test_remote_code_files_use_public_transformers_names_only():
+    """The files frozen into every checkpoint import no private transformers name and re-type no object."""
+    for path in (ROOT / "modeling_dualflow").glob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                assert not private and "._" not in node.module, (path.name, node.module, private)
+            if isinstance(node, ast.Assign):
+                targets = [t for t in node.targets if isinstance(t, ast.Attribute) and t.attr == "__class__"]
+                assert not targets, (path.name, node.lineno)
