@@ -15,6 +15,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from dualflow.instruments.probes import rotated, seconds
 from dualflow.instruments.two_pass import TwoPassDualFlow
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 
@@ -38,12 +39,6 @@ def build_model(args, aux_num_rounds: int = 1) -> DualFlowForCausalLM:
     model = DualFlowForCausalLM(config).eval()
     model.init_aux_from_primary()
     return model
-
-
-def timed(fn, clock=time.perf_counter) -> float:
-    start = clock()
-    fn()
-    return clock() - start
 
 
 @torch.inference_mode()
@@ -91,11 +86,10 @@ def measure(model, model_r2, args) -> dict:
     for fn in variants.values():  # warm-up
         fn()
     samples = {name: [] for name in variants}
-    names = list(variants)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     for repeat in range(args.repeats):
-        # rotate the order each round so no variant always runs right after the same neighbour
-        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-            samples[name].append(timed(variants[name], time.process_time if args.cpu_time else time.perf_counter))
+        for name in rotated(list(variants), repeat):
+            samples[name].append(seconds(variants[name], clock=clock))
     result = {name: statistics.median(values) for name, values in samples.items()}
     for name in ("decode_primary", "decode_dual_grouped", "decode_two_pass", "decode_dual_grouped_r2"):
         result[name] /= args.decode_tokens

@@ -10,10 +10,11 @@ both give the same logits.
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from dualflow.instruments.probes import rotated, seconds
 
 
 def transposed_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -21,12 +22,6 @@ def transposed_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     columns = x.T if rows > 1 else torch.cat([x, x]).T
     return (weight @ columns)[:, :rows].T.contiguous()
-
-
-def time_call(fn, *args) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
 
 
 def main():
@@ -51,9 +46,8 @@ def main():
                 fn(x, weight)
             times = {name: [] for name in variants}
             for round_index in range(args.rounds):
-                order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
-                for name in order:
-                    times[name].append(time_call(variants[name], x, weight))
+                for name in rotated(list(variants), round_index):
+                    times[name].append(seconds(variants[name], x, weight))
             ratios = [t / f for t, f in zip(times["W @ x.T"], times["F.linear"])]
             error = statistics.stdev(ratios) / len(ratios) ** 0.5
             medians = {name: statistics.median(values) * 1e3 for name, values in times.items()}

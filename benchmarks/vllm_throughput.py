@@ -19,11 +19,11 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from dualflow.instruments.probes import rotated, seconds
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 
 
@@ -72,12 +72,6 @@ def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
             layer.aux_coupling.weight.normal_(std=0.1)
     model.save_pretrained(folder)
     return model
-
-
-def timed(fn, *args) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
 
 
 def summarize(name: str, rates: dict, baseline: str, arms: list[str]) -> list[str]:
@@ -143,20 +137,20 @@ def main():
     prefill = {n: {arm: [] for arm in arms} for n in args.prefill_lengths}
     decode = {b: {arm: [] for arm in arms + ["transformers generate"]} for b in args.decode_batches}
     for round_index in range(args.rounds):
-        order = arms[round_index % len(arms) :] + arms[: round_index % len(arms)]
+        order = rotated(arms, round_index)
         for length in args.prefill_lengths:
             batch = prompts(args.prefill_requests, length)
             for arm in order:
-                seconds = timed(run_vllm, engines[arm], batch, 1)
-                prefill[length][arm].append(len(batch) * length / seconds)
+                elapsed = seconds(run_vllm, engines[arm], batch, 1)
+                prefill[length][arm].append(len(batch) * length / elapsed)
         for size in args.decode_batches:
             batch = prompts(size, args.decode_prompt)
             new_tokens = size * args.decode_tokens
             for arm in order:
-                seconds = timed(run_vllm, engines[arm], batch, args.decode_tokens)
-                decode[size][arm].append(new_tokens / seconds)
-            seconds = timed(run_hf, batch, args.decode_tokens)
-            decode[size]["transformers generate"].append(new_tokens / seconds)
+                elapsed = seconds(run_vllm, engines[arm], batch, args.decode_tokens)
+                decode[size][arm].append(new_tokens / elapsed)
+            elapsed = seconds(run_hf, batch, args.decode_tokens)
+            decode[size]["transformers generate"].append(new_tokens / elapsed)
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
 
     name = "GPU" if device == "cuda" else f"CPU ({os.cpu_count()} cores)"

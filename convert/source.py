@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import CONFIG_MAPPING
 
+from dualflow.checkpoint import is_hub_repo_id
 from dualflow.errors import DualFlowUserError
 
 
@@ -17,7 +18,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # A folder from the Hub cache names its repo: .../models--{org}--{name}/snapshots/{revision}
 HUB_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
-HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 # safetensors dtype codes -> torch dtype names (the float formats checkpoints of these families use).
 _TORCH_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -30,7 +30,7 @@ def resolve_source(src: str | Path) -> tuple[Path, str | None]:
         return path, f"{match['org']}/{match['name']}" if match else None
     if path.exists():
         raise DualFlowUserError(f"source {src} is a file; pass the checkpoint folder")
-    if not HUB_REPO_ID.match(str(src)):
+    if not is_hub_repo_id(str(src)):
         raise DualFlowUserError(f"source folder {src} does not exist")
     from huggingface_hub import snapshot_download
 

@@ -1,12 +1,24 @@
 """Opening a Dual-Flow checkpoint (folder or Hub id): config and tokenizer, with a one-line error for anything else."""
 
-import re
 from pathlib import Path
 
 from .errors import DualFlowUserError
 
 
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+def is_hub_repo_id(text: str) -> bool:
+    """
+    Whether `text` is a Hub model id of the `org/name` form, by huggingface_hub's own rules (`validate_repo_id`). A bare
+    `name`, valid on the Hub too, is taken as a local path: a missing folder then gets the clearer error.
+    """
+    if "/" not in text:
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return True
 
 
 def check_model_path(model_path) -> None:
@@ -22,7 +34,7 @@ def check_model_path(model_path) -> None:
     if path.exists():
         raise DualFlowUserError(f"{model_path} is a file, not a model folder")
     parent_exists = path.parent != Path(".") and path.parent.is_dir()
-    if text.startswith((".", "/", "~")) or parent_exists or not HUB_ID.fullmatch(text):
+    if text.startswith((".", "/", "~")) or parent_exists or not is_hub_repo_id(text):
         raise DualFlowUserError(f"{model_path} does not exist (a local path; Hub ids look like org/name)")
 
 

@@ -229,7 +229,7 @@ def finetune(
         model.config.output_router_logits = bool(model.config.num_experts)
         if lora:
             model = add_lora(model, lora_r, lora_alpha)
-        trainable = sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
+        trainable = model.num_parameters(only_trainable=True)
         print(f"trainable parameters: {trainable:,}")
 
         trainer = make_trainer(model, train_blocks, eval_blocks, staging, **training_arguments)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -31,14 +31,20 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
-from transformers.utils.output_capturing import OutputRecorder, _active_collector, capture_outputs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_dualflow import DualFlowCache
 from .configuration_dualflow import DualFlowConfig
 
 
-# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache`; this file runs on both.
+# --- Compatibility with the supported transformers range (5.19 .. <6) -------------------------------------------------
+# The one thing that differs across the range: transformers 5.24 renamed the cache keyword and output field
+# `past_key_values` to `cache`, and `generate` passes and reads the name of the installed version (5.24 still takes the
+# old one, with a deprecation warning). So the forwards take both keywords (`cache` wins), outputs are built and read
+# under CACHE_FIELD, `_skip_keys_device_placement` (and the config's `keys_to_ignore_at_inference`) name both, and
+# `create_causal_mask` gets the cache by position. tests/test_versions.py pins this at each end of the range.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+# -----------------------------------------------------------------------------------------------------------------------
 
 
 class DualFlowRMSNorm(LlamaRMSNorm):
@@ -548,6 +554,10 @@ class DualFlowModel(DualFlowPreTrainedModel):
         mask = torch.arange(kv_length, device=device)[None, :] <= query_pos[:, None]
         return mask[None, None], None
 
+    # Per-layer outputs (hidden_states, attentions, router_logits) describe the first round. A nested `capture_outputs`
+    # call, given every `output_*` flag off, records nothing while it runs (its collector stands in for the outer one,
+    # as for the sub-models of transformers' composite models): the caller passes those flags.
+    @capture_outputs
     def _extra_aux_rounds(
         self,
         aux_states,
@@ -568,26 +578,21 @@ class DualFlowModel(DualFlowPreTrainedModel):
         aux_mask = grouped_mask[:, :, num_primary:] if grouped_mask is not None else None
         cos, sin = position_embeddings
         aux_embeddings = (cos[:, num_primary:], sin[:, num_primary:])
-        # Per-layer outputs (hidden_states, attentions, router_logits) describe the first round: pause their recording.
-        recording = _active_collector.set(None)
-        try:
-            for _ in range(num_extra):
-                for decoder_layer, (entering, keys, values) in zip(self.layers, first_round):
-                    aux_states, _, _ = decoder_layer(
-                        aux_states,
-                        entering,
-                        keys,
-                        values,
-                        num_primary=0,
-                        aux_positions=aux_positions,
-                        attention_mask=aux_mask,
-                        position_embeddings=aux_embeddings,
-                        is_causal=False if aux_mask is None else None,
-                        aux_top_k=aux_top_k,
-                        **kwargs,
-                    )
-        finally:
-            _active_collector.reset(recording)
+        for _ in range(num_extra):
+            for decoder_layer, (entering, keys, values) in zip(self.layers, first_round):
+                aux_states, _, _ = decoder_layer(
+                    aux_states,
+                    entering,
+                    keys,
+                    values,
+                    num_primary=0,
+                    aux_positions=aux_positions,
+                    attention_mask=aux_mask,
+                    position_embeddings=aux_embeddings,
+                    is_causal=False if aux_mask is None else None,
+                    aux_top_k=aux_top_k,
+                    **kwargs,
+                )
         return aux_states
 
     @can_return_tuple
@@ -757,7 +762,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 position_embeddings,
                 num_primary,
                 aux_top_k,
-                **kwargs,
+                **{**kwargs, **{f"output_{name}": False for name in self._can_record_outputs}, "return_dict": True},
             )
             hidden_states = torch.cat([hidden_states[:, :num_primary], aux_states], dim=1)
 
@@ -811,9 +816,19 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         Cheap upcycling recipe: train only the aux flow's own parameters (`aux_parameter_names`). Every shared weight
         stays frozen, so the primary flow, its logits and its cache stay bit-identical to the source model.
         """
+        return self._train_only(aux_flow=True)
+
+    def freeze_aux_flow(self) -> "DualFlowForCausalLM":
+        """
+        The inverse of `freeze_for_aux_training`: train every shared weight, freeze the aux flow's own parameters (a
+        model trained as a single flow, `use_aux_flow=False`, where they take no part).
+        """
+        return self._train_only(aux_flow=False)
+
+    def _train_only(self, aux_flow: bool) -> "DualFlowForCausalLM":
         aux_names = set(self.aux_parameter_names())
         for name, parameter in self.named_parameters():
-            parameter.requires_grad_(name in aux_names)
+            parameter.requires_grad_((name in aux_names) == aux_flow)
         return self
 
     @torch.no_grad()
@@ -844,14 +859,6 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             auto_map["AutoModel"] = "modeling_dualflow.DualFlowModel"
             self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        # transformers builds a plain DynamicCache (for an assistant model, one that records its past so it can be
-        # cropped). DualFlowCache only adds methods, no state: re-type that very cache so everything set up stays.
-        cache = model_kwargs.get(CACHE_FIELD)
-        if type(cache) is DynamicCache:
-            cache.__class__ = DualFlowCache
 
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, aux_inputs_embeds=None, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)

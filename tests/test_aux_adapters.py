@@ -5,11 +5,20 @@ cached == uncached with left padding run through test_modeling's `adapters*` var
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
-from test_convert import assert_parity, make_source, run_cli, save_source
-from test_modeling import VARIANTS, left_padded_batch
-from test_training import byte_model, stdlib_blocks, stdlib_text
-from test_training import run_cli as run_finetune_cli
+from helpers import (
+    VARIANTS,
+    assert_parity,
+    byte_model,
+    left_padded_batch,
+    make_source,
+    run_dualflow,
+    run_finetune,
+    save_source,
+    stdlib_blocks,
+    stdlib_text,
+    tiny_config,
+    tiny_model,
+)
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
 from modeling_dualflow import DualFlowCache, DualFlowForCausalLM
@@ -140,7 +149,7 @@ def test_upcycling_init_zeroes_the_deltas():
 def test_convert_aux_adapter_rank(tmp_path):
     source = make_source("mixtral")
     src = save_source(source, tmp_path / "src", "single")
-    code, stderr = run_cli("convert", src, tmp_path / "out", "--aux-adapter-rank", 4)
+    code, stderr = run_dualflow("convert", src, tmp_path / "out", "--aux-adapter-rank", 4)
     assert code == 0, stderr
     converted, _, _ = assert_parity(source, tmp_path / "out")
     assert converted.config.aux_adapter_rank == 4
@@ -150,10 +159,10 @@ def test_convert_aux_adapter_rank(tmp_path):
     assert all(torch.count_nonzero(parameters[name]) == 0 for name in adapter_names(3) if name.endswith("up"))
     assert all(0.01 < down.std() < 0.03 for down in downs)  # N(0, initializer_range^2)
     assert not torch.equal(downs[0], downs[1])  # each tensor its own draw
-    run_cli("convert", src, tmp_path / "again", "--aux-adapter-rank", 4)
+    run_dualflow("convert", src, tmp_path / "again", "--aux-adapter-rank", 4)
     again = DualFlowForCausalLM.from_pretrained(tmp_path / "again")
     assert all(torch.equal(again.get_parameter(name), parameters[name]) for name in adapter_names(3))  # reproducible
-    code, stderr = run_cli("convert", src, tmp_path / "bad", "--aux-adapter-rank", -2)
+    code, stderr = run_dualflow("convert", src, tmp_path / "bad", "--aux-adapter-rank", -2)
     assert code != 0 and "--aux-adapter-rank must be >= 0" in stderr
 
 
@@ -164,7 +173,7 @@ def test_finetune_aux_only_trains_the_adapters_and_keeps_primary(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text(stdlib_text("textwrap.py", chars=6000), encoding="utf-8")
     common = ("--block-size", 32, "--batch-size", 4, "--max-steps", 4, "--lr", 1e-2)
-    assert run_finetune_cli(model_dir, "--data", data, "--output-dir", tmp_path / "aux", "--aux-only", *common) == 0
+    assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "aux", "--aux-only", *common) == 0
     source = AutoModelForCausalLM.from_pretrained(model_dir)
     trained = AutoModelForCausalLM.from_pretrained(tmp_path / "aux")
     aux_names = set(source.aux_parameter_names())

@@ -6,12 +6,19 @@ reference, primary isolation, cached == uncached with left padding) run for R = 
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
-from test_convert import assert_parity, make_source, run_cli, save_source
-from test_modeling import VARIANTS, left_padded_batch
+from helpers import (
+    VARIANTS,
+    assert_parity,
+    left_padded_batch,
+    make_source,
+    run_dualflow,
+    save_source,
+    tiny_config,
+    tiny_model,
+)
+from reference import two_pass_forward
 from transformers import AutoConfig, DynamicCache
 
-from dualflow.instruments.reference import two_pass_forward
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -165,13 +172,13 @@ def test_freeze_for_aux_training_trains_the_gates():
 def test_convert_aux_rounds_writes_the_field_and_keeps_parity(tmp_path):
     source = make_source("qwen3_moe")
     src = save_source(source, tmp_path / "src", "sharded")
-    code, stderr = run_cli("convert", src, tmp_path / "out", "--aux-rounds", 2)
+    code, stderr = run_dualflow("convert", src, tmp_path / "out", "--aux-rounds", 2)
     assert code == 0, stderr
     converted, _, _ = assert_parity(source, tmp_path / "out")  # the aux flow (2 rounds) still reproduces the source
     assert converted.config.aux_num_rounds == 2
     assert all(torch.count_nonzero(layer.aux_round_gate.weight) == 0 for layer in converted.model.layers)
     assert "--aux-rounds 2" in (tmp_path / "out" / "README.md").read_text()
-    code, stderr = run_cli("convert", src, tmp_path / "bad", "--aux-rounds", 0)
+    code, stderr = run_dualflow("convert", src, tmp_path / "bad", "--aux-rounds", 0)
     assert code != 0 and "--aux-rounds must be >= 1, got 0" in stderr and not (tmp_path / "bad").exists()
 
 

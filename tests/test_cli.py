@@ -53,7 +53,7 @@ def test_core_tools_work_without_the_instruments_extra():
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
         "import dualflow.convert.cli, dualflow.finetune, dualflow.hub\n"
-        "from conftest import tiny_config\n"
+        "from helpers import tiny_config\n"
         "from dualflow.model_card import render_model_card\n"
         "assert 'dual-flow' in str(render_model_card(tiny_config(), repo_id='someone/tiny'))\n"
     )

@@ -7,7 +7,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import tiny_model
+from helpers import tiny_model
 
 from dualflow.cli import main
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch._dynamo
-from conftest import tiny_model
+from helpers import tiny_model
 from transformers import AttentionInterface, CompileConfig, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

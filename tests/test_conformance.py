@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 
@@ -119,7 +119,7 @@ def test_generate_outputs_equal_qwen3_moe_at_upcycling(mode):
     assert type(actual).__name__ == type(expected).__name__
     for field in FIELDS:
         assert_same_structure(getattr(actual, field), getattr(expected, field), field, values=True)
-    assert isinstance(actual.past_key_values, DualFlowCache)
+    assert type(actual.past_key_values) is type(expected.past_key_values)  # transformers' own cache, as for the oracle
     assert_same_structure(cache_tensors(actual.past_key_values), cache_tensors(expected.past_key_values), values=True)
     if mode.startswith("beam"):
         torch.testing.assert_close(actual.sequences_scores, expected.sequences_scores, atol=1e-5, rtol=0)
@@ -201,11 +201,11 @@ def test_assistant_with_a_sliding_window_shorter_than_the_sequence():
         assert torch.equal(target.generate(input_ids, assistant_model=assistant, **options), expected)
 
 
-def test_prepared_cache_is_dualflow_cache_and_user_caches_are_kept():
+def test_generate_prepares_transformers_cache_and_keeps_user_caches():
     _, dual = oracle_and_dualflow(aux_differs=True)
     input_ids, attention_mask = prompt()
     options = dict(attention_mask=attention_mask, max_new_tokens=2, return_dict_in_generate=True)
-    assert type(dual.generate(input_ids, **options).past_key_values) is DualFlowCache
+    assert type(dual.generate(input_ids, **options).past_key_values) is DynamicCache
     static = dual.generate(input_ids, cache_implementation="static", **options).past_key_values
     assert type(static).__name__ == "StaticCache"
     mine = DualFlowCache(config=dual.config)

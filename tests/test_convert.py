@@ -1,7 +1,5 @@
 """`dualflow convert`: every supported family, both Hub layouts, bad inputs, and the streaming memory bound."""
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -13,140 +11,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
+from helpers import (
+    FAMILIES,
+    MOE_FAMILIES,
+    PROMPT,
+    TOLERANCE,
+    assert_parity,
+    make_source,
+    run_dualflow,
+    save_source,
 )
+from safetensors import safe_open
+from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
-from dualflow.cli import main as dualflow_main
 from dualflow.convert import SUPPORTED_MODEL_TYPES, convert_checkpoint
 from dualflow.convert.verify import check_parity
 from modeling_dualflow import DualFlowForCausalLM
-
-
-SHAPE = dict(
-    vocab_size=101,
-    hidden_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-EXPERTS = dict(num_experts_per_tok=2, router_aux_loss_coef=0.01)
-# One tiny model per family, each switching on what its family can do that the others cannot.
-FAMILIES = {
-    "mixtral": (MixtralForCausalLM, MixtralConfig(**SHAPE, **EXPERTS, intermediate_size=24, num_local_experts=4)),
-    "qwen2_moe": (
-        Qwen2MoeForCausalLM,
-        Qwen2MoeConfig(
-            **SHAPE,
-            **EXPERTS,
-            intermediate_size=40,
-            moe_intermediate_size=24,
-            num_experts=4,
-            shared_expert_intermediate_size=36,
-            mlp_only_layers=[1],
-        ),
-    ),
-    "qwen3_moe": (
-        Qwen3MoeForCausalLM,
-        Qwen3MoeConfig(
-            **SHAPE,
-            **EXPERTS,
-            head_dim=12,
-            intermediate_size=40,
-            moe_intermediate_size=24,
-            num_experts=4,
-            norm_topk_prob=True,
-            decoder_sparse_step=2,
-        ),
-    ),
-    "olmoe": (
-        OlmoeForCausalLM,
-        OlmoeConfig(**SHAPE, **EXPERTS, intermediate_size=24, num_experts=4, clip_qkv=0.08, eos_token_id=2),
-    ),
-    "llama": (
-        LlamaForCausalLM,
-        LlamaConfig(**SHAPE, intermediate_size=40, attention_bias=True, tie_word_embeddings=True),
-    ),
-    "mistral": (MistralForCausalLM, MistralConfig(**SHAPE, intermediate_size=40, sliding_window=5)),
-    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, intermediate_size=40, tie_word_embeddings=True)),
-    "qwen3": (
-        Qwen3ForCausalLM,
-        Qwen3Config(
-            **SHAPE,
-            head_dim=12,
-            intermediate_size=40,
-            use_sliding_window=True,
-            sliding_window=6,
-            max_window_layers=0,
-        ),
-    ),
-}
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
-PROMPT = torch.randint(0, SHAPE["vocab_size"], (2, 14), generator=torch.Generator().manual_seed(1))
-TOLERANCE = 1e-4
-
-
-def make_source(family: str, seed: int = 0, **overrides):
-    """A random fp32 source model built with transformers' own class."""
-    model_class, config = FAMILIES[family]
-    config = type(config).from_dict({**config.to_dict(), **overrides})
-    torch.manual_seed(seed)
-    return model_class(config).eval()
-
-
-def save_source(model, folder: Path, layout: str) -> Path:
-    """Save as transformers does: one file, several shards (index), or the fused in-memory layout."""
-    if layout == "single":
-        model.save_pretrained(folder)
-    elif layout == "sharded":
-        model.save_pretrained(folder, max_shard_size="40KB")
-    else:
-        model.save_pretrained(folder, save_original_format=False, max_shard_size="40KB")
-    return folder
-
-
-@torch.no_grad()
-def assert_parity(source, out_dir: Path, aux_matches: bool = True):
-    """docs/design.md §7.2: logits at every position within 1e-4 (aux on and off), identical greedy generations."""
-    converted = DualFlowForCausalLM.from_pretrained(out_dir).eval()
-    reference = source(PROMPT).logits
-    primary = converted(PROMPT, use_aux_flow=False).logits
-    aux = converted(PROMPT, use_aux_flow=True).logits
-    assert (primary - reference).abs().max() <= TOLERANCE
-    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
-    expected = source.generate(PROMPT, **greedy)
-    assert torch.equal(converted.generate(PROMPT, use_aux_flow=False, **greedy), expected)
-    if aux_matches:
-        assert (aux - reference).abs().max() <= TOLERANCE
-        assert torch.equal(converted.generate(PROMPT, **greedy), expected)
-    return converted, reference, aux
-
-
-def run_cli(*args) -> tuple[int, str]:
-    """Run `dualflow ...` in-process; returns (exit code, stderr)."""
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        code = dualflow_main([str(arg) for arg in args])
-    return code, stderr.getvalue()
 
 
 def test_every_supported_family_is_covered():
@@ -217,7 +97,7 @@ def test_hub_cache_folder_names_the_base_model(tmp_path):
 
 def test_offline_hub_id_is_a_short_line_saying_what_to_do(tmp_path):
     # conftest sets HF_HUB_OFFLINE=1: no network, huggingface_hub raises its long LocalEntryNotFoundError
-    code, stderr = run_cli("convert", "some-org/not-downloaded-model", tmp_path / "out")
+    code, stderr = run_dualflow("convert", "some-org/not-downloaded-model", tmp_path / "out")
     line = stderr.strip().splitlines()[-1]
     assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
     assert line == (
@@ -240,7 +120,7 @@ def test_verify_flag_and_remote_code_load_in_fresh_process(tmp_path):
     source = make_source("olmoe")
     src = save_source(source, tmp_path / "src", "sharded")
     out = tmp_path / "out"
-    code, stderr = run_cli("convert", src, out, "--verify", "--dtype", "float32")
+    code, stderr = run_dualflow("convert", src, out, "--verify", "--dtype", "float32")
     assert code == 0, stderr
     card = (out / "README.md").read_text()
     assert "OlmoeForCausalLM" in card and "greedy generations identical | True" in card
@@ -343,7 +223,7 @@ def test_bad_inputs_give_one_line_errors_and_no_output(tmp_path):
     out_parent.mkdir()
     for name, (src, extra, message) in _bad_sources(tmp_path / "sources").items():
         out = out_parent / name.replace(" ", "-")
-        code, stderr = run_cli("convert", src, out, *extra)
+        code, stderr = run_dualflow("convert", src, out, *extra)
         assert code == 2, (name, stderr)
         assert message in stderr, (name, stderr)
         assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, (name, stderr)
@@ -356,10 +236,10 @@ def test_existing_out_needs_overwrite(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    code, stderr = run_cli("convert", src, out)
+    code, stderr = run_dualflow("convert", src, out)
     assert code == 2 and "already exists; pass --overwrite" in stderr
     assert (out / "keep.txt").read_text() == "user data"
-    code, stderr = run_cli("convert", src, out, "--overwrite")
+    code, stderr = run_dualflow("convert", src, out, "--overwrite")
     assert code == 0, stderr
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 import yaml
-from conftest import tiny_model
+from helpers import tiny_model
 from transformers import ByT5Tokenizer
 
 from dualflow.cli import main as cli_main
@@ -142,7 +142,7 @@ def test_push_cli_bad_folder_is_one_line_error(upload_folder, capsys):
 PUSH_WITHOUT_TOKEN = textwrap.dedent(
     """
     import json, sys
-    from conftest import tiny_model
+    from helpers import tiny_model
     from dualflow.cli import main
     from dualflow.errors import DualFlowUserError
     from dualflow.hub import push_model

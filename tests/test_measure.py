@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from dualflow.instruments.measure import (
     SCHEMA,

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import enable_activation_checkpointing, tiny_config, tiny_model
+from helpers import VARIANTS, enable_activation_checkpointing, left_padded_batch, tiny_config, tiny_model
+from reference import two_pass_forward
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -22,39 +23,8 @@ from transformers import (
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 import modeling_dualflow
-from dualflow.instruments.reference import two_pass_forward
 from dualflow.instruments.upcycle import qwen3_moe_config_of
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
-
-
-VARIANTS = {
-    "moe": {},
-    "moe_ka_gt_kp": {"aux_num_experts_per_tok": 4},
-    "moe_ka_lt_kp": {"num_experts_per_tok": 3, "aux_num_experts_per_tok": 1},
-    "dense": {"num_experts": 0},
-    "qwen2moe_shared_expert": {"shared_expert_intermediate_size": 16, "norm_topk_prob": False, "qkv_bias": True},
-    "olmoe_full_qk_norm_clip": {"qk_norm": "full", "clip_qkv": 0.5, "norm_topk_prob": False},
-    "qwen3_per_head_qk_norm": {"qk_norm": "per_head", "mlp_only_layers": [0]},
-    "sliding_window": {"sliding_window": 3, "num_experts": 0},
-    "tied_bias_sparse_step": {"tie_word_embeddings": True, "attention_bias": True, "decoder_sparse_step": 2},
-    # the aux flow passes several times through the layers (round gates random in tiny_model)
-    "rounds_3": {"aux_num_rounds": 3, "aux_num_experts_per_tok": 4},
-    "rounds_2_sliding_window": {"aux_num_rounds": 2, "sliding_window": 3, "num_experts": 0},
-    # aux adapters on q_proj / o_proj / the MLP output (their deltas random in tiny_model)
-    "adapters": {"aux_adapter_rank": 4, "aux_num_experts_per_tok": 4, "qk_norm": "full", "clip_qkv": 0.5},
-    "adapters_rounds_2_sliding_window": {"aux_adapter_rank": 3, "aux_num_rounds": 2, "sliding_window": 3},
-}
-
-
-def left_padded_batch(lengths, vocab_size=97, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.randint(1, vocab_size, (len(lengths), width), generator=generator)
-    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        attention_mask[row, width - length :] = 1
-        input_ids[row, : width - length] = 0
-    return input_ids, attention_mask
 
 
 def valid_rows(attention_mask):
@@ -525,6 +495,13 @@ class TestInitAndResize:
         assert trainable == {"model.aux_embed_tokens.weight"} | {
             f"model.layers.{i}.aux_coupling.weight" for i in range(2)
         }
+
+    def test_freeze_aux_flow_is_the_inverse_of_freeze_for_aux_training(self):
+        model = tiny_model(aux_adapter_rank=2, aux_num_rounds=2)
+        aux = {name for name, p in model.freeze_for_aux_training().named_parameters() if p.requires_grad}
+        shared = {name for name, p in model.freeze_aux_flow().named_parameters() if p.requires_grad}
+        assert aux == set(model.aux_parameter_names()) and "model.layers.1.aux_round_gate.weight" in aux
+        assert shared == {name for name, _ in model.named_parameters()} - aux and "lm_head.weight" in shared
 
 
 class TestBadInputs:

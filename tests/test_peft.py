@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import byte_model, stdlib_blocks, tiny_model
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer, ParamWrapper
-from test_training import byte_model, stdlib_blocks
 from transformers import AutoModelForCausalLM
 
 from dualflow.finetune import make_trainer

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from dualflow.instruments.measure import CompareSettings, compare_report
 from dualflow.instruments.plots import plot_compare

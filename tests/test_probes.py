@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from dualflow.instruments.probes import peak_memory_bytes, seconds
+from dualflow.instruments.probes import peak_memory_bytes, rotated, seconds
 
 
 def test_peak_memory_increase_sees_an_allocation():
@@ -26,4 +26,12 @@ def test_peak_memory_increase_sees_an_allocation():
 
 
 def test_seconds_measures_the_call():
-    assert seconds(lambda: time.sleep(0.05), torch.device("cpu")) >= 0.05
+    assert seconds(lambda: time.sleep(0.05), device=torch.device("cpu")) >= 0.05
+    assert seconds(time.sleep, 0.05) >= 0.05
+    # the process's CPU time does not count a sleep
+    assert seconds(time.sleep, 0.05, clock=time.process_time) < 0.04
+
+
+def test_rotated_puts_every_item_in_every_slot_once_per_cycle():
+    orders = [rotated(["a", "b", "c"], repeat) for repeat in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]

@@ -2,18 +2,9 @@
 
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from helpers import hand_nll, tiny_model
 
 from dualflow.scoring import mean_token_nll
-
-
-def hand_nll(model, blocks, **kwargs) -> float:
-    """Mean over every predicted token of -log p(next token), straight from log-softmax."""
-    nlls = []
-    for block in blocks:
-        log_probs = torch.log_softmax(model(block[None], **kwargs).logits[0, :-1].float(), dim=-1)
-        nlls.append(-log_probs.gather(-1, block[1:, None]).squeeze(-1))
-    return torch.cat(nlls).mean().item()
 
 
 def test_mean_token_nll_equals_hand_computation():

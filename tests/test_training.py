@@ -1,6 +1,5 @@
 """Training with transformers.Trainer: loss goes down, gradient accumulation, checkpointing, aux-only, the CLI."""
 
-import inspect
 import json
 import os
 import signal
@@ -8,35 +7,16 @@ import stat
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import enable_activation_checkpointing, tiny_model
+from helpers import byte_model, enable_activation_checkpointing, run_finetune, stdlib_blocks, stdlib_text
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
-from dualflow.cli import main as cli_main
-from dualflow.finetune import make_trainer, pack_blocks, split_blocks
-
-
-# A byte-level tokenizer that needs no files: ids 3..258 are the bytes, 384 ids in all.
-BYTE_VOCAB = 384
-STDLIB = Path(inspect.__file__).parent
-
-
-def stdlib_text(*names: str, chars: int = 40_000) -> str:
-    return "".join((STDLIB / name).read_text(encoding="utf-8") for name in names)[:chars]
-
-
-def stdlib_blocks(block_size: int, chars: int = 40_000) -> torch.Tensor:
-    return pack_blocks([stdlib_text("inspect.py", "textwrap.py", chars=chars)], ByT5Tokenizer(), block_size)
-
-
-def byte_model(seed: int = 0, **overrides):
-    return tiny_model(seed=seed, random_coupling=False, vocab_size=BYTE_VOCAB, **overrides)
+from dualflow.finetune import make_trainer, split_blocks
 
 
 def sgd_update(model, blocks, output_dir, labels=None, **trainer_options) -> tuple[dict, float]:
@@ -175,15 +155,6 @@ def model_dir(tmp_path):
     return path
 
 
-def run_cli(*argv) -> int:
-    """Run `dualflow finetune`; any warning (torch's pin_memory on CPU, deprecations) fails the test."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        status = cli_main(["finetune", *map(str, argv)])
-    assert [str(warning.message) for warning in caught] == []
-    return status
-
-
 def printed_nll(output: str, when: str) -> dict[str, float]:
     """{"aux flow": ..., "primary flow": ...} from the line `eval NLL per token (nats) <when>: aux flow x, primary flow y`."""
     line = next(line for line in output.splitlines() if line.startswith(f"eval NLL per token (nats) {when}:"))
@@ -199,7 +170,7 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     # Trainer's own flags (HfArgumentParser), in both spellings; transformers 5.23 renamed gradient_checkpointing.
     checkpointing = "activation" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient"
     trainer_flags = (f"--{checkpointing}-checkpointing", "--lr_scheduler_type", "constant", "--weight-decay", 0.01)
-    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "full", *trainer_flags, *common) == 0
+    assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "full", *trainer_flags, *common) == 0
     output = capsys.readouterr().out
     # Trainer's train_loss sums both flows (about twice the per-flow eval NLL): the output says so.
     assert "train_loss (Trainer's) = aux-flow CE + primary-flow CE + 0.001 x router balance loss" in output
@@ -213,7 +184,7 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     os.umask(umask)
     assert stat.S_IMODE((tmp_path / "full").stat().st_mode) == 0o777 & ~umask  # like mkdir, not mkdtemp's 0700
 
-    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "aux", "--aux-only", *common) == 0
+    assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "aux", "--aux-only", *common) == 0
     aux_only = AutoModelForCausalLM.from_pretrained(tmp_path / "aux")
     source = AutoModelForCausalLM.from_pretrained(model_dir)
     shared = [name for name, _ in source.named_parameters() if name not in source.aux_parameter_names()]
@@ -241,7 +212,7 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys, monkeypatch):
         "--max-steps",
         2,
     )
-    assert run_cli(model_dir.name, *argv) == 0
+    assert run_finetune(model_dir.name, *argv) == 0
     assert set(printed_nll(capsys.readouterr().out, "after")) == {"aux flow", "primary flow"}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     # The adapter names its base model by a path that loads from any directory, and has a card of its own.
@@ -269,7 +240,7 @@ def test_finetune_cli_bad_data_is_one_line_error(model_dir, tmp_path, capsys, na
     data = tmp_path / name
     data.write_text(content)
     out = tmp_path / "out"
-    assert run_cli(model_dir, "--data", data, "--output-dir", out, "--block-size", 64) == 2
+    assert run_finetune(model_dir, "--data", data, "--output-dir", out, "--block-size", 64) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("dualflow finetune: error: ") and message in error
     assert not out.exists()
@@ -281,7 +252,7 @@ def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, caps
     no_tokenizer = tmp_path / "no-tokenizer"
     byte_model().save_pretrained(no_tokenizer)
     capsys.readouterr()
-    assert run_cli(no_tokenizer, "--data", data, "--output-dir", tmp_path / "out") == 2
+    assert run_finetune(no_tokenizer, "--data", data, "--output-dir", tmp_path / "out") == 2
     error = capsys.readouterr().err.strip()
     assert error == (
         f"dualflow finetune: error: {no_tokenizer} has no tokenizer: add the source model's, e.g. "
@@ -290,7 +261,7 @@ def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, caps
     )
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    assert run_cli(model_dir, "--data", data, "--output-dir", tmp_path / "taken") == 2
+    assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "taken") == 2
     assert "already exists and is not empty" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
 
@@ -325,7 +296,7 @@ def test_ctrl_c_keeps_checkpoints_where_resume_finds_them(model_dir, tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "out-checkpoints", "tiny-dualflow"]
 
     step = int(last.name.split("-")[1])
-    assert run_cli(model_dir, *common, "--max-steps", step + 1, "--resume-from-checkpoint", last) == 0
+    assert run_finetune(model_dir, *common, "--max-steps", step + 1, "--resume-from-checkpoint", last) == 0
     state = json.loads((out / f"checkpoint-{step + 1}" / "trainer_state.json").read_text())
     assert state["global_step"] == step + 1  # went on from the kept checkpoint, not from step 0
 
@@ -338,7 +309,7 @@ def test_unwritable_output_folder_is_one_line_error(model_dir, tmp_path, capsys,
     (tmp_path / "a-file").write_text("not a folder")
     out = Path("/sys/dualflow-test-out") if where == "sys" else tmp_path / "a-file" / "out"
     capsys.readouterr()
-    assert run_cli(model_dir, "--data", data, "--output-dir", out, "--block-size", 32) == 2
+    assert run_finetune(model_dir, "--data", data, "--output-dir", out, "--block-size", 32) == 2
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and error.startswith(f"dualflow finetune: error: cannot write the output folder {out}: ")
     assert not out.exists()

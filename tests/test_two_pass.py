@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 
 from dualflow.instruments.two_pass import TwoPassDualFlow
 from modeling_dualflow import DualFlowCache

@@ -1,10 +1,9 @@
 """variants: each way of running the weights computes what its name says."""
 
 import torch
-from conftest import tiny_model
-from test_tiny_lm import hand_nll
+from helpers import hand_nll, tiny_model
+from reference import two_pass_forward
 
-from dualflow.instruments.reference import two_pass_forward
 from dualflow.instruments.variants import BASELINE, build_variants, with_top_k
 from dualflow.scoring import next_token_nll
 from modeling_dualflow import DualFlowCache

@@ -1,16 +1,24 @@
-"""The supported transformers range: what pyproject.toml declares is what CI tests at both ends."""
+"""
+The supported transformers range: what pyproject.toml declares is what CI tests at both ends, and what the model file
+does to run across it.
+"""
 
+import ast
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
 import transformers
+from helpers import tiny_model
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 from pip._vendor import tomli  # pip's own TOML reader: these tests also run on Python 3.10, which has no tomllib
+
+import modeling_dualflow
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,3 +49,36 @@ def test_bootstrap_vllm_lists_the_dependencies_without_tomllib():
     declared = map(Requirement, tomli.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
     expected = {(canonicalize_name(r.name), r.specifier) for r in declared if r.name not in ("torch", "transformers")}
     assert listed == expected and ("peft", SpecifierSet(">=0.21,<0.22")) in listed
+
+
+def test_model_file_speaks_the_cache_name_of_the_installed_transformers():
+    """
+    The model file's compatibility section: 5.19-5.23 pass and read the cache as `past_key_values`, 5.24 on as `cache`.
+    Outputs carry it under the installed version's field; forward takes it under either keyword.
+    """
+    name = "cache" if Version(transformers.__version__) >= Version("5.24.0") else "past_key_values"
+    assert modeling_dualflow.modeling_dualflow.CACHE_FIELD == name
+    model = tiny_model()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9]])
+    steps = {}
+    for keyword in ("past_key_values", "cache"):
+        prefill = model(input_ids[:, :3], use_cache=True)
+        assert name in type(prefill).__dataclass_fields__ and prefill[name].get_seq_length() == 3
+        steps[keyword] = model(input_ids[:, 3:], **{keyword: prefill[name]}).logits
+    assert torch.equal(steps["past_key_values"], steps["cache"])
+    torch.testing.assert_close(steps["cache"], model(input_ids).logits[:, 3:], rtol=0, atol=1e-5)
+    generated = model.generate(input_ids, max_new_tokens=2, return_dict_in_generate=True)
+    assert generated[name].get_seq_length() == input_ids.shape[1] + 1  # the last new token is not fed back
+
+
+def test_remote_code_files_use_public_transformers_names_only():
+    """The files frozen into every checkpoint import no private transformers name and re-type no object."""
+    for path in (ROOT / "modeling_dualflow").glob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                assert not private and "._" not in node.module, (path.name, node.module, private)
+            if isinstance(node, ast.Assign):
+                targets = [t for t in node.targets if isinstance(t, ast.Attribute) and t.attr == "__class__"]
+                assert not targets, (path.name, node.lineno)

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .data import eval_blocks
-from .probes import peak_memory_bytes, peak_memory_method, seconds
+from .probes import peak_memory_bytes, peak_memory_method, rotated, seconds
 from .tables import text_table
 from .variants import BASELINE, Variant, build_variants
 
@@ -85,7 +85,7 @@ def measure(variants: list[Variant], tokens: torch.Tensor, settings: CompareSett
                 for i in range(stream.shape[1]):
                     variant.step(stream[:, i : i + 1], cache)
 
-            return seconds(steps, device)
+            return seconds(steps, device=device)
 
         return run
 
@@ -99,10 +99,10 @@ def measure(variants: list[Variant], tokens: torch.Tensor, settings: CompareSett
     jobs = settings.repeats * len(variants) * (len(prompts) + len(decode_inputs) + 1)
     with tqdm(total=jobs, desc="timing", disable=not show_progress) as bar:
         for repeat in range(settings.repeats):
-            order = variants[repeat % len(variants) :] + variants[: repeat % len(variants)]
+            order = rotated(variants, repeat)
             for length in prompts:
                 for variant in order:
-                    raw[variant.name]["prefill"][length].append(seconds(prefill(variant, length), device))
+                    raw[variant.name]["prefill"][length].append(seconds(prefill(variant, length), device=device))
                     bar.update()
             for batch in decode_inputs:
                 for variant in order:

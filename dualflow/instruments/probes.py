@@ -1,4 +1,7 @@
-"""Wall time and peak memory of one call, on CPU (Linux /proc, else getrusage) or CUDA."""
+"""
+The timer and the peak-memory probe of one call, on CPU (Linux /proc, else getrusage) or CUDA, and the order of
+interleaved repeats. Every measurement of the package and of benchmarks/ times with these.
+"""
 
 import gc
 import os
@@ -10,14 +13,28 @@ from pathlib import Path
 import torch
 
 
-def seconds(fn, device: torch.device) -> float:
-    if device.type == "cuda":
+def seconds(fn, *args, device: torch.device | None = None, clock=time.perf_counter) -> float:
+    """
+    Seconds `fn(*args)` takes by `clock` (the wall clock; `time.process_time` for the process's CPU time). On a CUDA
+    `device` the kernels queued before and by the call are waited for.
+    """
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
+    start = clock()
+    fn(*args)
+    if cuda:
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return clock() - start
+
+
+def rotated(items: list, repeat: int) -> list:
+    """
+    The order of repeat number `repeat` of an interleaved measurement: A B C, then B C A, then C A B, ... Every item
+    runs in every slot equally often and after a different neighbour, so machine noise and warm caches favour none.
+    """
+    shift = repeat % len(items)
+    return items[shift:] + items[:shift]
 
 
 def _status_kib(field: str) -> int | None:

@@ -74,20 +74,16 @@ RECIPES = (
 BASELINE = RECIPES[0].name
 
 
-def trainable_parameters(model) -> int:
-    return sum(parameter.numel() for parameter in model.parameters() if parameter.requires_grad)
-
-
 def adapter_budget_lora_rank(folder: Path) -> int:
     """The LoRA rank on the single-flow model of `folder` whose trainable parameters come closest to the aux-adapter
     recipe's (aux embedding, couplings and rank-`ADAPTER_RANK` adapters); LoRA's count is linear in the rank."""
     config = DualFlowConfig.from_pretrained(folder)
-    budget = trainable_parameters(
-        DualFlowForCausalLM(
-            DualFlowConfig.from_pretrained(folder, aux_adapter_rank=ADAPTER_RANK)
-        ).freeze_for_aux_training()
+    budget = (
+        DualFlowForCausalLM(DualFlowConfig.from_pretrained(folder, aux_adapter_rank=ADAPTER_RANK))
+        .freeze_for_aux_training()
+        .num_parameters(only_trainable=True)
     )
-    per_rank = trainable_parameters(add_lora(DualFlowForCausalLM(config), r=1, train_aux_modules=False))
+    per_rank = add_lora(DualFlowForCausalLM(config), r=1, train_aux_modules=False).num_parameters(only_trainable=True)
     return max(1, round(budget / per_rank))
 
 
@@ -132,9 +128,7 @@ def trainable_model(recipe: Recipe, folder: Path):
         rank = recipe.lora_rank or adapter_budget_lora_rank(folder)
         return add_lora(model, r=rank, lora_alpha=2 * rank, train_aux_modules=recipe.aux_factor is not None)
     if recipe.aux_factor is None:  # single flow: the aux parameters exist but take no part
-        aux = set(model.aux_parameter_names())
-        for name, parameter in model.named_parameters():
-            parameter.requires_grad_(name not in aux)
+        model.freeze_aux_flow()
     elif recipe.train == "aux":
         model.freeze_for_aux_training()
     return model
@@ -178,7 +172,7 @@ def upcycle_seed(recipes, scale: TinyScale, continue_steps: int, seed: int, trai
             tokens = continue_steps * scale.batch_size * scale.block_size
             result[recipe.name] = {
                 "seed": seed,
-                "trainable_params": trainable_parameters(model),
+                "trainable_params": model.num_parameters(only_trainable=True),
                 **({"lora_rank": model.peft_config["default"].r} if recipe.train == "lora" else {}),
                 # CPU seconds too: on a shared machine the wall clock also counts other processes' turns.
                 "tokens_per_s": tokens / train_s,

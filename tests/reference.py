@@ -1,9 +1,9 @@
 """Slow, obviously-correct two-pass Dual-Flow reference (docs/design.md §7.4).
 
 Pass 1 runs the primary flow alone (filling the cache); pass 2 walks the aux flow through the layers one row at a
-time with explicit loops: masks built from positions, experts applied one by one from the fused weights. The model
-never imports this module; tests check the grouped execution against it. It is deliberately slow and never timed:
-the two-pass baseline that `dualflow compare` and the benchmarks time is `two_pass.py`.
+time with explicit loops: masks built from positions, experts applied one by one from the fused weights. Test code
+only: the tests check the grouped execution against it. It is deliberately slow and never timed: the two-pass baseline
+that `dualflow compare` and the benchmarks time is `dualflow/instruments/two_pass.py`.
 """
 
 import torch
