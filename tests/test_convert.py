@@ -296,7 +296,7 @@ def test_unwritable_output_folder_is_one_line_error(tmp_path, where):
     src = save_source(make_source("mixtral"), tmp_path / "src", "single")
     (tmp_path / "a-file").write_text("not a folder")
     out = Path("/sys/dualflow-test-out") if where == "sys" else tmp_path / "a-file" / "out"
-    code, stderr = run_cli("convert", src, out)
+    code, stderr = run_dualflow("convert", src, out)
     assert code == 2
     assert stderr.count("\n") == 1 and stderr.startswith(
         f"dualflow convert: error: cannot write the output folder {out}: "
