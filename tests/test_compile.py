@@ -35,9 +35,13 @@ def test_static_cache_generate_matches_dualflow_cache():
         assert torch.equal(static, dynamic), use_aux_flow
 
 
-def test_decode_step_compiles_to_one_graph():
-    """Both flows, two expert fan-outs and the static cache trace without a graph break (fullgraph=True works)."""
-    model = tiny_model(aux_num_experts_per_tok=3)
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_decode_step_compiles_to_one_graph(rounds):
+    """
+    Both flows, two expert fan-outs and the static cache trace without a graph break (fullgraph=True works); so do
+    extra aux rounds, whose per-layer outputs a nested `capture_outputs` keeps out of the recorded ones.
+    """
+    model = tiny_model(aux_num_experts_per_tok=3, aux_num_rounds=rounds)
     prompt = torch.randint(1, 97, (1, 7), generator=torch.Generator().manual_seed(3))
     cache = StaticCache(config=model.config, max_cache_len=16)
 
