@@ -87,6 +87,16 @@ def hub_token(token: str | None = None) -> str:
     return token
 
 
+def check_repo_id(repo_id: str) -> None:
+    """A one-line error for a repo id the Hub would refuse, before any file is written or the network is tried."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise DualFlowUserError(f"{repo_id!r} is not a Hub repo id (like your-name/model-dualflow): {error}") from None
+
+
 def push_folder(
     folder,
     repo_id: str,
@@ -100,15 +110,11 @@ def push_folder(
     `upload_kwargs` (commit_description, revision, create_pr) go to `HfApi.upload_folder`.
     """
     from huggingface_hub import HfApi
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     from .model_card import retarget_model_card
 
     kind = check_upload_folder(folder)
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        raise DualFlowUserError(f"{repo_id!r} is not a Hub repo id (like your-name/model-dualflow): {error}") from None
+    check_repo_id(repo_id)
     token = hub_token(token)
     api = HfApi(token=token)
     try:  # the first network call: offline, no network or a refused token fail here, before the folder is touched
@@ -180,6 +186,7 @@ def push_model(
     `PreTrainedModel.push_to_hub` (same arguments) with the Dual-Flow card: prepare the folder in a temporary
     directory and upload it in one commit. `card_kwargs` go to `render_model_card` (base_model, license, tags, ...).
     """
+    check_repo_id(repo_id)
     token = hub_token(token)
     with tempfile.TemporaryDirectory(prefix="dualflow-push-") as folder:
         prepare_upload_folder(model, folder, tokenizer, max_shard_size=max_shard_size, repo_id=repo_id, **card_kwargs)
