@@ -72,7 +72,7 @@ def measure(model, model_r2, args) -> dict:
     two_pass = TwoPassDualFlow(model)
 
     def two_pass_step(token, cache):
-        two_pass(token, past_key_values=cache, logits_to_keep=1)
+        two_pass(token, cache=cache, logits_to_keep=1)
 
     variants = {
         "prefill_primary": prefill(False),

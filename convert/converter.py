@@ -119,7 +119,7 @@ def convert_checkpoint(
     src: str | Path,
     out: str | Path,
     aux_top_k: int | None = None,
-    dtype: str | None = None,
+    dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     verify: bool = False,
     overwrite: bool = False,
@@ -135,7 +135,7 @@ def convert_checkpoint(
     aux_rounds: passes of the aux flow through the layers (`aux_num_rounds`); the extra rounds' gates start at 0, so
         parity holds for any value.
     aux_adapter_rank: rank of the aux adapters (`aux_adapter_rank`, 0 = none); their deltas start at 0 (parity holds).
-    dtype: "auto" / None keeps each tensor's dtype; "float32", "bfloat16", "float16" cast.
+    dtype: "auto" / None keeps each tensor's dtype; "float32", "bfloat16", "float16" (or the torch dtypes) cast.
     max_shard_size: output shard size limit ("5GB", "500MB" or bytes).
     verify: compare source and result logits / greedy generations (see `check_parity`); a mismatch raises and
         leaves no `out`.
@@ -143,8 +143,10 @@ def convert_checkpoint(
     DualFlowUserError before anything is written; `out` appears only once it is complete.
     """
     out = Path(out)
-    if dtype not in DTYPES and dtype is not None:
-        raise DualFlowUserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if isinstance(dtype, torch.dtype):  # a torch dtype stands for its name
+        dtype = next((name for name, value in DTYPES.items() if value == dtype), dtype)
+    if dtype is not None and not (isinstance(dtype, str) and dtype in DTYPES):
+        raise DualFlowUserError(f"dtype must be one of {', '.join(DTYPES)} (a name or the torch dtype), got {dtype!r}")
     torch_dtype = DTYPES.get(dtype or "auto")
     try:
         size = str(max_shard_size)

@@ -4,8 +4,6 @@ embedding, per-layer couplings, round gates and aux adapters) trained in full th
 the result (`PeftModel.save_pretrained`, `PeftModel.from_pretrained`, `merge_and_unload`).
 """
 
-import warnings
-
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
@@ -44,7 +42,4 @@ def dualflow_lora_config(config, r: int = 16, lora_alpha: int = 32, train_aux_mo
 
 def add_lora(model, r: int = 16, lora_alpha: int = 32, train_aux_modules: bool = True) -> PeftModel:
     """Wrap `model` with LoRA as configured by `dualflow_lora_config`."""
-    with warnings.catch_warnings():
-        # peft reads transformers' deprecated `is_gradient_checkpointing` alias: a FutureWarning the user cannot act on.
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha, train_aux_modules))
+    return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha, train_aux_modules))

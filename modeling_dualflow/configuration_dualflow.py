@@ -154,6 +154,18 @@ class DualFlowConfig(PreTrainedConfig):
         self._plans_for_existing_modules()
         super().__post_init__(**kwargs)
 
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        # transformers only warns and then builds a randomly initialised model from another architecture's config
+        model_type = config_dict.get("model_type")
+        if model_type not in (None, cls.model_type):
+            raise ValueError(
+                f"{pretrained_model_name_or_path} holds a {model_type!r} checkpoint, not a Dual-Flow one: convert it "
+                f"first with `dualflow convert {pretrained_model_name_or_path} OUT`"
+            )
+        return config_dict, kwargs
+
     def _plans_for_existing_modules(self):
         """The tensor-parallel plan names only modules this config builds (experts, dense MLPs, q/k norms)."""
         plan = dict(type(self).base_model_tp_plan)

@@ -7,6 +7,7 @@ both flows in one call (grouped execution); only the primary rows produce keys/v
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,19 @@ def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlo
     return torch.cat([output[:, :num_primary], aux_output], dim=1) if num_primary else aux_output
 
 
+def attend_flows_apart(attention_interface, module, query, key, value, attention_mask, num_primary, **kwargs):
+    """
+    The attention call with each flow's query rows in a call of their own. Used when attention weights are recorded:
+    each flow's weights are then a tensor of the graph (`retain_grad` on `attentions` gets a gradient), not a view
+    taken after the call. query: (batch, heads, T + P, head_dim); returns the output rows and the (primary, aux) weights.
+    """
+    outputs = []
+    for rows in (slice(0, num_primary), slice(num_primary, None)):
+        mask = attention_mask[:, :, rows] if attention_mask is not None else None
+        outputs.append(attention_interface(module, query[:, :, rows], key, value, mask, **kwargs))
+    return torch.cat([output for output, _ in outputs], dim=1), tuple(weights for _, weights in outputs)
+
+
 class DualFlowAttention(nn.Module):
     """Self-attention whose queries are [primary rows; aux rows] and whose keys/values come from primary rows only."""
 
@@ -178,6 +192,13 @@ class DualFlowAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
+        recording = _active_collector.get()
+        if (
+            self.config._attn_implementation == "eager"  # the one backend that returns attention weights
+            and "attentions" in (recording or {})
+            and 0 < num_primary < hidden_states.shape[1]
+        ):
+            attention_interface = partial(attend_flows_apart, attention_interface, num_primary=num_primary)
         attn_output, attn_weights = attention_interface(
             self,
             query_states,
@@ -432,12 +453,24 @@ class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
 
 
 def split_rows(per_layer: tuple | None, num_primary: int, dim: int) -> tuple[tuple | None, tuple | None]:
-    """Split each layer's stacked `[primary; aux]` rows along `dim`; `None` entries (unselected layers) stay `None`."""
+    """
+    Split each layer's stacked `[primary; aux]` rows along `dim`; entries recorded as a (primary, aux) pair already
+    stay as they are, as do `None` entries (unselected layers). Without aux rows the primary part is the entry itself.
+    """
     if per_layer is None:
         return None, None
-    primary = tuple(x if x is None else x.narrow(dim, 0, num_primary) for x in per_layer)
-    aux = tuple(x if x is None else x.narrow(dim, num_primary, x.shape[dim] - num_primary) for x in per_layer)
-    return primary, aux
+
+    def split(x):
+        if x is None:
+            return None, None
+        if isinstance(x, tuple):  # recorded per flow already
+            return x
+        if x.shape[dim] == num_primary:  # no aux rows: the recorded tensor itself
+            return x, x.narrow(dim, num_primary, 0)
+        return x.narrow(dim, 0, num_primary), x.narrow(dim, num_primary, x.shape[dim] - num_primary)
+
+    primary, aux = zip(*map(split, per_layer)) if per_layer else ((), ())
+    return tuple(primary), tuple(aux)
 
 
 class DualFlowPreTrainedModel(PreTrainedModel):
@@ -463,9 +496,16 @@ class DualFlowPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(DualFlowAttention, index=1),
     }
 
-    def _can_set_experts_implementation(self) -> bool:
-        # transformers asks the class (the decorator is in this file); a dense config has no experts to run with a kernel
-        return self.config.num_experts > 0 and super()._can_set_experts_implementation()
+    def _grouped_mm_can_dispatch(self) -> bool:
+        # The default experts kernel: a dense config has no experts to run with it (transformers then keeps "eager").
+        if not self.config.num_experts:
+            raise ValueError(f"{type(self).__name__} is dense (num_experts=0): it has no experts kernel to set")
+        return super()._grouped_mm_can_dispatch()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        # PEFT reads this name on every load; transformers 5.23 made it a deprecated alias that warns.
+        return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -689,6 +729,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
         """The layers over the stacked rows `[primary (T); aux (P)]`; every recorded output covers both flows."""
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_inputs(input_ids, inputs_embeds, aux_inputs_embeds, attention_mask, past_length)
+        for name, value in (("aux_num_experts_per_tok", aux_num_experts_per_tok), ("aux_num_rounds", aux_num_rounds)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
         aux_top_k = self.config.aux_num_experts_per_tok if aux_num_experts_per_tok is None else aux_num_experts_per_tok
         if aux_num_experts_per_tok is not None and not self.config.num_experts:
             raise ValueError("aux_num_experts_per_tok needs a MoE model (num_experts > 0); this model is dense")
@@ -727,7 +770,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
             else:  # no ids to look up: start from the given rows (exact at the upcycling init, E_aux == E)
                 aux_embeds = inputs_embeds[:, aux_positions]
             # `.to`: a device_map may put the two embedding tables on different devices.
-            hidden_states = torch.cat([inputs_embeds, aux_embeds.to(inputs_embeds.device)], dim=1)
+            aux_embeds = aux_embeds.to(inputs_embeds.device)
+            hidden_states = torch.cat([inputs_embeds, aux_embeds], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
         kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
         grouped_mask, is_causal = self._grouped_attention_mask(
@@ -737,6 +781,11 @@ class DualFlowModel(DualFlowPreTrainedModel):
 
         extra_rounds = num_rounds - 1 if aux_positions is not None else 0
         first_round = []  # per layer, for the extra rounds: (primary state entering at aux positions, keys, values)
+        # Recorded hidden states must be tensors of the graph (`retain_grad` on them gets a gradient), not views taken
+        # after the layers ran: with aux rows, each recorded stacked state is swapped for its two flows' rows, and the
+        # layers go on from their concatenation.
+        recorded = (_active_collector.get() or {}).get("hidden_states") if aux_positions is not None else None
+        first_input = hidden_states
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             entering = hidden_states[:, aux_positions] if extra_rounds else None
             hidden_states, keys, values = decoder_layer(
@@ -750,6 +799,12 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 aux_top_k=aux_top_k,
                 **kwargs,
             )
+            for index, entry in enumerate(recorded or ()):
+                if entry is first_input:
+                    recorded[index] = (inputs_embeds, aux_embeds)
+                elif entry is hidden_states:
+                    recorded[index] = hidden_states.split([num_primary, hidden_states.shape[1] - num_primary], dim=1)
+                    hidden_states = torch.cat(recorded[index], dim=1)
             if extra_rounds:
                 first_round.append((entering, keys, values))
         if extra_rounds:
@@ -905,6 +960,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
         use_aux_flow = self.config.use_aux_flow if use_aux_flow is None else use_aux_flow
+        if not isinstance(use_aux_flow, bool):  # a string such as "no" would count as True
+            raise TypeError(f"use_aux_flow must be True or False, got {use_aux_flow!r}")
         # shape[-1] / shape[-2]: a wrongly shaped input reaches the model's own one-line check, not an IndexError here
         seq_len = input_ids.shape[-1] if input_ids is not None else inputs_embeds.shape[-2]
         device = (input_ids if input_ids is not None else inputs_embeds).device

@@ -127,7 +127,7 @@ def two_pass_forward(
         input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
         use_aux_flow=False,
         output_hidden_states=True,

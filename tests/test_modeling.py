@@ -81,9 +81,9 @@ class TestConfig:
         dense, moe = tiny_model(num_experts=0), tiny_model()
         out = dense(torch.tensor([[1, 2, 3]]), output_router_logits=True)
         assert out.router_logits is None and out.aux_router_logits is None and out.aux_loss is None
-        assert not dense._can_set_experts_implementation() and dense.config._experts_implementation == "eager"
+        assert dense.config._experts_implementation == "eager"
         # the MoE model keeps transformers' default kernel (found through the decorator in modeling_dualflow.py)
-        assert moe._can_set_experts_implementation() and moe.config._experts_implementation == "grouped_mm"
+        assert moe.config._experts_implementation == "grouped_mm"
         assert moe.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
 
     def test_aux_embed_init_copies_the_primary_embedding_of_a_new_model_only(self, tmp_path):

@@ -29,7 +29,7 @@ def test_two_pass_equals_grouped_forward_and_decoding(overrides):
         for start, end in ((0, 8), (8, 9), (9, 10), (10, 12)):  # prefill, then steps of one and two tokens
             chunk = input_ids[:, start:end]
             expected = model(chunk, past_key_values=grouped_cache, use_cache=True, logits_to_keep=1).logits
-            actual = two_pass(chunk, past_key_values=two_pass_cache, logits_to_keep=1).logits
+            actual = two_pass(chunk, cache=two_pass_cache, logits_to_keep=1).logits
             torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
     assert two_pass_cache.get_seq_length() == 12
 
@@ -37,10 +37,17 @@ def test_two_pass_equals_grouped_forward_and_decoding(overrides):
 def test_two_pass_refuses_a_cache_that_drops_keys():
     model = tiny_model(sliding_window=4)
     with pytest.raises(ValueError, match="keeps every key"):
-        TwoPassDualFlow(model)(torch.randint(0, 97, (1, 6)), past_key_values=DualFlowCache(config=model.config))
+        TwoPassDualFlow(model)(torch.randint(0, 97, (1, 6)), cache=DualFlowCache(config=model.config))
 
 
 def test_two_pass_refuses_more_than_one_aux_round():
     model = tiny_model(aux_num_rounds=2)
     with pytest.raises(ValueError, match="one aux round"):
+        TwoPassDualFlow(model)(torch.randint(0, 97, (1, 6)))
+
+
+def test_two_pass_refuses_aux_adapters():
+    # The second pass runs the shared weights alone: it would ignore the adapters and score another model.
+    model = tiny_model(aux_adapter_rank=2)
+    with pytest.raises(ValueError, match="without aux adapters"):
         TwoPassDualFlow(model)(torch.randint(0, 97, (1, 6)))

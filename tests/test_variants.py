@@ -46,6 +46,12 @@ def test_round_variants_run_fewer_aux_rounds():
     assert len({round(losses[name], 5) for name in ("dual-flow", "dual-flow r1", "dual-flow r2")}) == 3
 
 
+def test_no_two_pass_variant_for_aux_adapters():
+    # the two-pass execution ignores the adapters: timing or scoring it would describe another model
+    model = tiny_model(aux_num_experts_per_tok=4, aux_adapter_rank=2)
+    assert [variant.name for variant in build_variants(model)] == [BASELINE, "dual-flow", "single top-k=4"]
+
+
 def test_with_top_k_shares_the_weights_and_routes_wider():
     model = routing_sensitive_model()
     twin = with_top_k(model, 3)

@@ -13,7 +13,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from modeling_dualflow import DualFlowCache
-from modeling_dualflow.modeling_dualflow import DualFlowSparseMoeBlock, apply_rotary
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowSparseMoeBlock, apply_rotary
 
 
 class TwoPassDualFlow(nn.Module):
@@ -33,23 +33,23 @@ class TwoPassDualFlow(nn.Module):
 
     @torch.no_grad()
     def forward(
-        self, input_ids, past_key_values=None, use_cache=True, logits_to_keep: int = 0, aux_num_experts_per_tok=None
+        self, input_ids, cache=None, use_cache=True, logits_to_keep: int = 0, aux_num_experts_per_tok=None
     ) -> CausalLMOutputWithPast:
         if self.model.config.aux_num_rounds != 1:
             raise ValueError("the two-pass execution covers one aux round (aux_num_rounds=1)")
-        cache = past_key_values if past_key_values is not None else DualFlowCache()
+        if self.model.config.aux_adapter_rank:
+            raise ValueError("the two-pass execution covers models without aux adapters (aux_adapter_rank=0)")
+        cache = cache if cache is not None else DualFlowCache()
         if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
             raise ValueError("the two-pass execution needs a cache that keeps every key: pass DualFlowCache()")
         past, num_new = cache.get_seq_length(), input_ids.shape[1]
         # Pass 1: the primary flow alone; it fills the cache and gives the states entering each layer.
-        primary = self.model(
-            input_ids, past_key_values=cache, use_cache=True, use_aux_flow=False, output_hidden_states=True
-        )
+        primary = self.model(input_ids, cache=cache, use_cache=True, use_aux_flow=False, output_hidden_states=True)
         rows = torch.arange(num_new - logits_to_keep if logits_to_keep else 0, num_new, device=input_ids.device)
         entering_states = [states[:, rows] for states in primary.hidden_states[:-1]]
         aux_top_k = aux_num_experts_per_tok or self.model.config.aux_num_experts_per_tok
         logits = self._aux_pass(input_ids[:, rows], entering_states, cache, past + rows, past + num_new, aux_top_k)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: cache})
 
     def _aux_pass(self, aux_ids, entering_states, cache, query_positions, total: int, aux_top_k: int):
         # Pass 2: the aux rows (batch, P, hidden) walk every layer again and read the keys/values pass 1 cached.

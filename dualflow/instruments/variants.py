@@ -4,7 +4,7 @@ The ways `dualflow compare` runs one checkpoint's weights, each called like a ca
 - dual-flow: the grouped execution (aux flow on), with the config's aux rounds;
 - dual-flow r1, r2, ...: the same with fewer aux rounds (models with `aux_num_rounds` > 1), the decode cost per round;
 - two-pass: the same result computed as two batched passes over the layers (`two_pass.TwoPassDualFlow`; models with
-  one aux round);
+  one aux round and no aux adapters);
 - single top-k=k_a (MoE): the aux flow off and every token routed to k_a experts ("scale the whole model").
 """
 
@@ -35,7 +35,7 @@ class Variant:
 
     def step(self, input_ids: torch.Tensor, cache: DualFlowCache) -> torch.Tensor:
         """Feed `input_ids` after the tokens already in `cache`; return the next-token logits (batch, vocab)."""
-        outputs = self.runner(input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **self.forward_kwargs)
+        outputs = self.runner(input_ids, cache=cache, use_cache=True, logits_to_keep=1, **self.forward_kwargs)
         return outputs.logits[:, -1]
 
     @torch.no_grad()
@@ -65,7 +65,8 @@ def build_variants(model) -> list[Variant]:
         Variant(f"dual-flow r{rounds}", model, {"use_aux_flow": True, "aux_num_rounds": rounds}, config)
         for rounds in range(1, config.aux_num_rounds)
     ]
-    if config.aux_num_rounds == 1:  # the two-pass execution walks the layers once for the aux flow
+    # the two-pass execution walks the layers once for the aux flow, through the shared weights alone
+    if config.aux_num_rounds == 1 and not config.aux_adapter_rank:
         variants.append(Variant("two-pass", TwoPassDualFlow(model)))
     if config.num_experts:
         k_a = config.aux_num_experts_per_tok

@@ -1,0 +1,150 @@
+"""
+lm-eval's HF backend on a converted Dual-Flow checkpoint (docs/evaluation.md): its log-likelihoods are what the model
+predicts when it generates (token by token through the cache), aux flow on and off, and `model_args` reach the model.
+Offline: a local YAML task over a local jsonl file of real text (a Python stdlib source), no Hub.
+"""
+
+import json
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
+
+
+# datasets reads these at import: no Hub, and its cache (of the local jsonl) in a private folder
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dualflow-datasets-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from transformers import ByT5Tokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+from dualflow.convert import convert_checkpoint  # noqa: E402
+from modeling_dualflow import DualFlowForCausalLM  # noqa: E402
+
+
+TASK = "dualflow_stdlib_choice"
+TASK_YAML = """\
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def stdlib_docs(count: int = 6) -> list[dict]:
+    """
+    Multiple-choice items from real text: a line's start, its next 8 characters among those of other lines (short
+    continuations: lm-eval sums their log-probabilities in float32).
+    """
+    lines = [line.strip() for line in (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text().splitlines()]
+    lines = [line for line in lines if len(line) > 40][: count + 3]
+    docs = []
+    for index in range(count):
+        context, end = lines[index][:20].rstrip(), lines[index][20:28].strip()
+        others = [lines[(index + shift) % len(lines)][20:28].strip() for shift in (1, 2, 3)]
+        docs.append({"context": context, "choices": [end, *others], "answer": 0})
+    return docs
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A converted tiny Qwen3-MoE (k_p 2, k_a 4) with a byte-level tokenizer, its aux flow perturbed so it differs."""
+    root = tmp_path_factory.mktemp("lm-eval")
+    config = Qwen3MoeConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(root / "source")
+    ByT5Tokenizer().save_pretrained(root / "source")
+    convert_checkpoint(root / "source", root / "converted", aux_top_k=4, show_progress=False)
+    model = DualFlowForCausalLM.from_pretrained(root / "converted")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.aux_coupling.weight.normal_(std=0.5)
+        model.model.aux_embed_tokens.weight.add_(torch.randn_like(model.model.aux_embed_tokens.weight), alpha=0.5)
+    model.save_pretrained(root / "perturbed")
+    ByT5Tokenizer().save_pretrained(root / "perturbed")
+    tasks = root / "tasks"
+    tasks.mkdir()
+    data = tasks / "stdlib.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in stdlib_docs()))
+    (tasks / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=data))
+    return root / "perturbed", tasks
+
+
+def lm_eval_loglikelihoods(folder: Path, tasks: Path, **model_args) -> list[tuple[str, str, float]]:
+    results = simple_evaluate(
+        model="hf",
+        # the byte-level tokenizer appends </s> to every encoding: add_bos_token=False keeps it off the scored text
+        model_args={"pretrained": str(folder), "trust_remote_code": True, "add_bos_token": False, **model_args},
+        tasks=[TASK],
+        task_manager=TaskManager(include_path=str(tasks)),
+        batch_size=4,
+        device="cpu",
+        log_samples=True,
+    )
+    return [
+        (*arguments, response[0])
+        for sample in results["samples"][TASK]
+        for arguments, response in zip(sample["arguments"], sample["filtered_resps"])
+    ]
+
+
+@torch.no_grad()
+def step_by_step_loglikelihood(model, tokenizer, context: str, continuation: str, **kwargs) -> float:
+    """Sum of log p(continuation) as generation computes it: prefill the context, then one token at a time."""
+    context_ids = tokenizer.encode(context, add_special_tokens=False)
+    continuation_ids = tokenizer.encode(continuation, add_special_tokens=False)
+    output = model(torch.tensor([context_ids]), use_cache=True, logits_to_keep=1, **kwargs)
+    total = 0.0
+    for token in continuation_ids:
+        total += output.logits[0, -1].float().log_softmax(-1)[token].item()
+        output = model(torch.tensor([[token]]), cache=output.cache, use_cache=True, logits_to_keep=1, **kwargs)
+    return total
+
+
+@pytest.mark.parametrize("use_aux_flow", [True, False])
+def test_lm_eval_loglikelihoods_equal_step_by_step_predictions(checkpoint, use_aux_flow):
+    folder, tasks = checkpoint
+    scored = lm_eval_loglikelihoods(folder, tasks, use_aux_flow=use_aux_flow)
+    assert len(scored) == 6 * 4
+    model = DualFlowForCausalLM.from_pretrained(folder).eval()
+    tokenizer = ByT5Tokenizer.from_pretrained(folder)
+    for context, continuation, loglikelihood in scored:
+        expected = step_by_step_loglikelihood(model, tokenizer, context, continuation, use_aux_flow=use_aux_flow)
+        assert abs(loglikelihood - expected) < 1e-5, (context, continuation, loglikelihood, expected)
+
+
+def test_model_args_reach_the_model(checkpoint):
+    folder, tasks = checkpoint
+    dual, primary, k2 = (
+        lm_eval_loglikelihoods(folder, tasks, **args)
+        for args in ({}, {"use_aux_flow": False}, {"aux_num_experts_per_tok": 2})
+    )
+    model = DualFlowForCausalLM.from_pretrained(folder).eval()
+    tokenizer = ByT5Tokenizer.from_pretrained(folder)
+    context, continuation, _ = k2[0]
+    expected = step_by_step_loglikelihood(model, tokenizer, context, continuation, aux_num_experts_per_tok=2)
+    assert abs(k2[0][2] - expected) < 1e-5
+    assert all(abs(a[2] - b[2]) > 1e-4 for a, b in zip(dual, primary))  # the perturbed aux flow scores differently
+    assert any(abs(a[2] - b[2]) > 1e-4 for a, b in zip(dual, k2))
