@@ -23,6 +23,7 @@ from transformers import ByT5Tokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM  # n
 
 from dualflow.convert import convert_checkpoint  # noqa: E402
 from modeling_dualflow import DualFlowForCausalLM  # noqa: E402
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD  # noqa: E402
 
 
 TASK = "dualflow_stdlib_choice"
@@ -42,7 +43,7 @@ metric_list:
 """
 
 
-def stdlib_docs(count: int = 6) -> list[dict]:
+def stdlib_docs(count: int = 4) -> list[dict]:
     """
     Multiple-choice items from real text: a line's start, its next 8 characters among those of other lines (short
     continuations: lm-eval sums their log-probabilities in float32).
@@ -119,32 +120,24 @@ def step_by_step_loglikelihood(model, tokenizer, context: str, continuation: str
     total = 0.0
     for token in continuation_ids:
         total += output.logits[0, -1].float().log_softmax(-1)[token].item()
-        output = model(torch.tensor([[token]]), cache=output.cache, use_cache=True, logits_to_keep=1, **kwargs)
+        cache = getattr(output, CACHE_FIELD)
+        output = model(torch.tensor([[token]]), cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
     return total
 
 
-@pytest.mark.parametrize("use_aux_flow", [True, False])
-def test_lm_eval_loglikelihoods_equal_step_by_step_predictions(checkpoint, use_aux_flow):
+def test_lm_eval_loglikelihoods_equal_step_by_step_predictions(checkpoint):
     folder, tasks = checkpoint
-    scored = lm_eval_loglikelihoods(folder, tasks, use_aux_flow=use_aux_flow)
-    assert len(scored) == 6 * 4
     model = DualFlowForCausalLM.from_pretrained(folder).eval()
     tokenizer = ByT5Tokenizer.from_pretrained(folder)
-    for context, continuation, loglikelihood in scored:
-        expected = step_by_step_loglikelihood(model, tokenizer, context, continuation, use_aux_flow=use_aux_flow)
-        assert abs(loglikelihood - expected) < 1e-5, (context, continuation, loglikelihood, expected)
-
-
-def test_model_args_reach_the_model(checkpoint):
-    folder, tasks = checkpoint
-    dual, primary, k2 = (
-        lm_eval_loglikelihoods(folder, tasks, **args)
-        for args in ({}, {"use_aux_flow": False}, {"aux_num_experts_per_tok": 2})
-    )
-    model = DualFlowForCausalLM.from_pretrained(folder).eval()
-    tokenizer = ByT5Tokenizer.from_pretrained(folder)
-    context, continuation, _ = k2[0]
-    expected = step_by_step_loglikelihood(model, tokenizer, context, continuation, aux_num_experts_per_tok=2)
-    assert abs(k2[0][2] - expected) < 1e-5
-    assert all(abs(a[2] - b[2]) > 1e-4 for a, b in zip(dual, primary))  # the perturbed aux flow scores differently
-    assert any(abs(a[2] - b[2]) > 1e-4 for a, b in zip(dual, k2))
+    # aux flow on with the checkpoint's k_a, then config fields through model_args: aux flow off, another k_a
+    runs = {"aux on": {}, "aux off": {"use_aux_flow": False}, "k_a = 2": {"aux_num_experts_per_tok": 2}}
+    scores = {}
+    for name, model_args in runs.items():
+        scores[name] = lm_eval_loglikelihoods(folder, tasks, **model_args)
+        assert len(scores[name]) == 4 * 4, name
+        for context, continuation, loglikelihood in scores[name]:
+            expected = step_by_step_loglikelihood(model, tokenizer, context, continuation, **model_args)
+            assert abs(loglikelihood - expected) < 1e-5, (name, context, continuation, loglikelihood, expected)
+    # the perturbed aux flow scores differently from the primary flow, and k_a changes it
+    assert all(abs(a[2] - b[2]) > 1e-4 for a, b in zip(scores["aux on"], scores["aux off"]))
+    assert any(abs(a[2] - b[2]) > 1e-4 for a, b in zip(scores["aux on"], scores["k_a = 2"]))

@@ -1,0 +1,92 @@
+"""
+A user's first run shows no warning that comes from us: the demo's and compare's code paths, LoRA with PEFT and the
+docs' Trainer example trigger no deprecation warning of transformers (nor torch's pin_memory warning on CPU). Each
+runs in a fresh process: transformers logs its deprecations once per process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from test_docs import ROOT, runnable_blocks
+
+
+# Records Python warnings and transformers' / PEFT's log records of the code that follows, printed as JSON at the end.
+RECORDING = """
+import json, logging, warnings
+records = []
+handler = logging.Handler()
+handler.emit = lambda record: records.append(f"{record.name}: {record.getMessage()}")
+logging.getLogger("transformers").addHandler(handler)
+logging.getLogger("peft").addHandler(handler)
+recording = warnings.catch_warnings(record=True)
+caught = recording.__enter__()
+warnings.simplefilter("always")
+"""
+REPORT = """
+print(json.dumps({"warnings": [f"{w.category.__name__}: {w.message}" for w in caught], "logs": records}))
+"""
+# The demo's steps (build, convert, load as remote code, generate) and compare's measurement on a tiny model, then LoRA
+# (add, save, load with PEFT).
+PATHS = """
+import tempfile
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from dualflow.convert import convert_checkpoint
+from dualflow.instruments import demo
+from dualflow.instruments.inputs import data_tokens, load_checkpoint
+from dualflow.instruments.measure import CompareSettings, compare_report
+from dualflow.lora import add_lora
+
+tmp = Path(tempfile.mkdtemp())
+convert_checkpoint(demo.tiny_qwen3_moe(tmp / "source"), tmp / "dualflow", aux_top_k=4, verify=True, show_progress=False)
+model = AutoModelForCausalLM.from_pretrained(tmp / "dualflow", trust_remote_code=True).eval()
+for kwargs in ({"use_aux_flow": False}, {"aux_num_experts_per_tok": 2}, {}):
+    demo._generate(model, torch.tensor([[100, 101, 102]]), **kwargs)
+measured, tokenizer = load_checkpoint(tmp / "dualflow")
+tokens, names = data_tokens(None, tokenizer)
+settings = CompareSettings(
+    prompt_lengths=(8,), batch_sizes=(1, 2), decode_tokens=2, repeats=1, eval_block_size=16, eval_blocks=2
+)
+report = compare_report(measured, "tiny", names, tokens, settings)
+assert "two-pass" in report["variants"], report["variants"]
+add_lora(measured, r=2, lora_alpha=4).save_pretrained(tmp / "adapter")
+base = AutoModelForCausalLM.from_pretrained(tmp / "dualflow", trust_remote_code=True)
+PeftModel.from_pretrained(base, tmp / "adapter").merge_and_unload()
+"""
+
+
+def run_recording(code: str, cwd: Path) -> list[str]:
+    """Run `code` in a fresh process; the warnings and log records it produced."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    completed = subprocess.run(
+        [sys.executable, "-c", RECORDING + code + REPORT], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    recorded = json.loads(completed.stdout.strip().splitlines()[-1])
+    return recorded["warnings"] + recorded["logs"]
+
+
+def deprecations(messages: list[str]) -> list[str]:
+    return [m for m in messages if "deprecat" in m.lower() or "FutureWarning" in m or "pin_memory" in m]
+
+
+def test_demo_compare_and_lora_paths_trigger_no_deprecation(tmp_path):
+    messages = run_recording(PATHS, tmp_path)
+    assert deprecations(messages) == [], messages
+
+
+def test_docs_trainer_example_triggers_no_deprecation(tmp_path):
+    # docs/training.md: the tiny checkpoint, then "your own Trainer" (its first two runnable blocks)
+    setup, trainer_example = runnable_blocks(ROOT / "docs" / "training.md")[:2]
+    assert "Trainer(" in trainer_example["code"]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # `python`: ours
+    subprocess.run(["bash", "-e", "-c", setup["code"]], cwd=tmp_path, env=env, check=True, timeout=600)
+    messages = run_recording(trainer_example["code"], tmp_path)
+    assert deprecations(messages) == [], messages
