@@ -8,6 +8,7 @@ from transformers.modeling_rope_utils import RopeParameters
 
 QK_NORM_KINDS = (None, "per_head", "full")
 AUX_EMBED_INITS = ("independent", "copy")
+AUX_TRAIN_POSITIONS = ("random", "last")
 
 
 @strict
@@ -42,6 +43,11 @@ class DualFlowConfig(PreTrainedConfig):
             scratch, or gates a checkpoint lacks). 0 (the default) makes the extra rounds start as the identity, which
             conversion relies on (it writes zeros in any case); trained from scratch, 1 measured better
             (docs/results/README.md).
+        aux_train_fraction (`float`): fraction of the positions at which a training forward (model in training mode,
+            `labels` given) runs the aux flow; its CE is the mean over those positions. 1 (the default) trains it at
+            every position. Prefill, decode, evaluation and the primary flow are unchanged: a cheaper training step.
+        aux_train_positions (`str`): which positions with `aux_train_fraction` < 1: "random" (drawn anew each forward,
+            the same for every sequence of the batch) or "last" (the last ones of each sequence).
         aux_adapter_rank (`int`): rank of the aux adapters, low-rank deltas on each layer's q_proj, o_proj and MLP / MoE
             block output that act on aux rows only (`aux_q_adapter`, `aux_o_adapter`, `aux_mlp_adapter`); their up
             projection starts at zero, so a converted model still computes as its source. 0 (the default) builds none.
@@ -127,6 +133,8 @@ class DualFlowConfig(PreTrainedConfig):
     aux_num_rounds: int = 1
     aux_round_gate_init: float = 0.0
     aux_adapter_rank: int = 0
+    aux_train_fraction: float = 1.0
+    aux_train_positions: str = "random"
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -205,6 +213,12 @@ class DualFlowConfig(PreTrainedConfig):
             raise ValueError(f"aux_num_rounds must be >= 1, got {self.aux_num_rounds}")
         if self.aux_adapter_rank < 0:
             raise ValueError(f"aux_adapter_rank must be >= 0 (0 = no adapters), got {self.aux_adapter_rank}")
+        if not 0 < self.aux_train_fraction <= 1:
+            raise ValueError(f"aux_train_fraction must be in (0, 1], got {self.aux_train_fraction}")
+        if self.aux_train_positions not in AUX_TRAIN_POSITIONS:
+            raise ValueError(
+                f"aux_train_positions must be one of {AUX_TRAIN_POSITIONS}, got {self.aux_train_positions!r}"
+            )
         if self.primary_loss_weight < 0:
             raise ValueError(f"primary_loss_weight must be >= 0, got {self.primary_loss_weight}")
         if self.num_experts < 0:

@@ -91,7 +91,7 @@ class Arm:
         config = dict(self.config)
         top_k = config.pop("num_experts_per_tok", 2)
         aux_top_k = config.pop("aux_num_experts_per_tok", top_k) if config.pop("use_aux_flow", False) else None
-        return tiny_moe_config(scale, top_k, aux_top_k, self.training.get("depth_factor", 1), **config)
+        return tiny_moe_config(self.scale(scale), top_k, aux_top_k, self.training.get("depth_factor", 1), **config)
 
     def scale(self, scale: TinyScale) -> TinyScale:
         return replace(
@@ -188,6 +188,83 @@ ARMS = (
         primary_loss_weight=0.5,
     ),
 )
+BEST_DESIGN = {"aux_num_rounds": 2, "aux_round_gate_init": 1.0, "aux_embed_init": "copy", "primary_loss_weight": 0.5}
+BEST_SUFFIX = "r2 gate 1 aux emb copied plw 0.5"
+FRACTION_ARMS = (
+    *(
+        dual(
+            2,
+            4,
+            f"{BEST_SUFFIX} f{f}",
+            f"fraction: the best design, aux flow trained at a random {f:.1%} of positions",
+            **BEST_DESIGN,
+            aux_train_fraction=f,
+        )
+        for f in (0.5, 0.25, 0.125)
+    ),
+    dual(
+        2,
+        4,
+        f"{BEST_SUFFIX} f0.25 last",
+        "fraction: the best design, aux flow trained at the last 25% of positions",
+        **BEST_DESIGN,
+        aux_train_fraction=0.25,
+        aux_train_positions="last",
+    ),
+    dual(
+        2,
+        4,
+        "r2 gate 1 aux emb copied f0.25 plw 2",
+        "fraction: the best design at a random 25%, primary weight 0.5 / 0.25 (the aux CE weighed by f, rescaled)",
+        **(BEST_DESIGN | {"primary_loss_weight": 2.0}),
+        aux_train_fraction=0.25,
+    ),
+    dual(
+        2,
+        4,
+        "aux emb copied f0.25",
+        "fraction: one round, aux embedding copied, a random 25% of positions",
+        aux_embed_init="copy",
+        aux_train_fraction=0.25,
+    ),
+)
+SIZE_ARMS = tuple(
+    arm
+    for hidden in (64, 144)
+    for arm in (
+        single(
+            2,
+            f"single k2 h{hidden}",
+            f"size: baseline at hidden {hidden}",
+            hidden_size=hidden,
+            moe_intermediate_size=hidden,
+        ),
+        single(
+            2,
+            f"single k2 2x depth h{hidden}",
+            f"size: 2x depth at hidden {hidden}",
+            depth_factor=2,
+            hidden_size=hidden,
+            moe_intermediate_size=hidden,
+        ),
+        dual(
+            2,
+            4,
+            f"h{hidden}",
+            f"size: the paper's design at hidden {hidden}",
+            {"hidden_size": hidden, "moe_intermediate_size": hidden},
+        ),
+        dual(
+            2,
+            4,
+            f"{BEST_SUFFIX} h{hidden}",
+            f"size: the best design at hidden {hidden}",
+            {"hidden_size": hidden, "moe_intermediate_size": hidden},
+            **BEST_DESIGN,
+        ),
+    )
+)
+ARMS = ARMS + FRACTION_ARMS + SIZE_ARMS
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
 DEPTH_ARM = "single k2 2x depth"
 DESIGN_REFERENCE = "dual kp2 ka4"  # today's default, which each design variant changes in one way
@@ -209,6 +286,8 @@ ARM_GROUPS = {
     "all": tuple(ARMS_BY_NAME),
     "design": ("single k2", "single k2 2x depth", "dual kp2 ka4")
     + tuple(arm.name for arm in ARMS if arm.role.startswith("design")),
+    "fraction": ("single k2",) + tuple(arm.name for arm in FRACTION_ARMS),
+    "size": ("single k2",) + tuple(arm.name for arm in SIZE_ARMS),
 }
 
 
