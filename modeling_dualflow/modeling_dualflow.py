@@ -299,7 +299,7 @@ class DualFlowCoupling(nn.Module):
 class DualFlowRoundGate(nn.Module):
     """
     Per-channel gain on a layer's residual update in the aux rounds after the first (`aux_num_rounds` > 1). Starts at
-    `aux_round_gate_init` (0 by default: extra rounds start as the identity, as a converted model needs to keep
+    `aux_round_gate_init` (1 for a model built with several rounds; 0, the identity, where a converted model must keep
     computing as its source).
     """
 
