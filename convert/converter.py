@@ -54,8 +54,9 @@ def build_config(
         raise DualFlowUserError(f"--aux-rounds must be >= 1, got {aux_rounds}")
     if aux_adapter_rank < 0:
         raise DualFlowUserError(f"--aux-adapter-rank must be >= 0 (0 = no adapters), got {aux_adapter_rank}")
-    fields["aux_num_rounds"] = aux_rounds
-    fields["aux_adapter_rank"] = aux_adapter_rank
+    # The upcycling init the engine writes (aux embedding = primary, closed round gates), stated in the config too.
+    fields |= {"aux_num_rounds": aux_rounds, "aux_adapter_rank": aux_adapter_rank}
+    fields |= {"aux_embed_init": "copy", "aux_round_gate_init": 0.0}
     num_experts = fields.get("num_experts", 0)
     if aux_top_k is not None:
         if not num_experts:

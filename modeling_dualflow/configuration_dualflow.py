@@ -8,6 +8,7 @@ from transformers.modeling_rope_utils import RopeParameters
 
 QK_NORM_KINDS = (None, "per_head", "full")
 AUX_EMBED_INITS = ("independent", "copy")
+AUX_TRAIN_POSITIONS = ("random", "last")
 
 
 @strict
@@ -34,14 +35,20 @@ class DualFlowConfig(PreTrainedConfig):
             alone against the primary K/V of the first round and write nothing; each layer gates their residual
             updates with a zero-initialised `aux_round_gate`, so a converted model still computes as its source. 1 (the
             default) is the paper's form and builds no gates.
-        aux_embed_init (`str`): how a model built from scratch starts its aux token embedding: "independent" (the
-            default: its own random draw, like any embedding) or "copy" (a copy of the primary embedding, what
-            conversion writes; trained from scratch it measured better, docs/results/README.md). Loaded weights are
-            never touched.
-        aux_round_gate_init (`float`): value the round gates start at when weights are initialised (a model built from
-            scratch, or gates a checkpoint lacks). 0 (the default) makes the extra rounds start as the identity, which
-            conversion relies on (it writes zeros in any case); trained from scratch, 1 measured better
-            (docs/results/README.md).
+        aux_embed_init (`str`): how a model built from scratch starts its aux token embedding: "copy" (the default: a
+            copy of the primary embedding, as conversion writes; trained from scratch it measured better,
+            docs/results/README.md) or "independent" (a random draw of its own, like any embedding). Loaded weights
+            are never touched.
+        aux_round_gate_init (`float`, *optional*): value the round gates start at when weights are initialised (a model
+            built from scratch, or gates a checkpoint lacks). `None` (the default) means 1 for a config made with
+            `aux_num_rounds` > 1 (open gates measured better from scratch, docs/results/README.md) and 0 otherwise;
+            the config stores the number, so a saved model keeps it. 0 makes the extra rounds start as the identity,
+            which conversion writes.
+        aux_train_fraction (`float`): fraction of the positions at which a training forward (model in training mode,
+            `labels` given) runs the aux flow; its CE is the mean over those positions. 1 (the default) trains it at
+            every position. Prefill, decode, evaluation and the primary flow are unchanged: a cheaper training step.
+        aux_train_positions (`str`): which positions with `aux_train_fraction` < 1: "random" (drawn anew each forward,
+            the same for every sequence of the batch) or "last" (the last ones of each sequence).
         aux_adapter_rank (`int`): rank of the aux adapters, low-rank deltas on each layer's q_proj, o_proj and MLP / MoE
             block output that act on aux rows only (`aux_q_adapter`, `aux_o_adapter`, `aux_mlp_adapter`); their up
             projection starts at zero, so a converted model still computes as its source. 0 (the default) builds none.
@@ -123,10 +130,12 @@ class DualFlowConfig(PreTrainedConfig):
     aux_num_experts_per_tok: int | None = None
     primary_loss_weight: float = 1.0
     use_aux_flow: bool = True
-    aux_embed_init: str = "independent"
+    aux_embed_init: str = "copy"
     aux_num_rounds: int = 1
-    aux_round_gate_init: float = 0.0
+    aux_round_gate_init: float | None = None
     aux_adapter_rank: int = 0
+    aux_train_fraction: float = 1.0
+    aux_train_positions: str = "random"
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -149,6 +158,8 @@ class DualFlowConfig(PreTrainedConfig):
             self.mlp_only_layers = []
         if self.aux_num_experts_per_tok is None:
             self.aux_num_experts_per_tok = self.num_experts_per_tok
+        if self.aux_round_gate_init is None:
+            self.aux_round_gate_init = 1.0 if self.aux_num_rounds > 1 else 0.0
         # Checked here rather than in a `validate_*` hook: @strict wraps those errors in a non-ValueError type.
         self._check_fields()
         self._plans_for_existing_modules()
@@ -217,6 +228,12 @@ class DualFlowConfig(PreTrainedConfig):
             raise ValueError(f"aux_num_rounds must be >= 1, got {self.aux_num_rounds}")
         if self.aux_adapter_rank < 0:
             raise ValueError(f"aux_adapter_rank must be >= 0 (0 = no adapters), got {self.aux_adapter_rank}")
+        if not 0 < self.aux_train_fraction <= 1:
+            raise ValueError(f"aux_train_fraction must be in (0, 1], got {self.aux_train_fraction}")
+        if self.aux_train_positions not in AUX_TRAIN_POSITIONS:
+            raise ValueError(
+                f"aux_train_positions must be one of {AUX_TRAIN_POSITIONS}, got {self.aux_train_positions!r}"
+            )
         if self.primary_loss_weight < 0:
             raise ValueError(f"primary_loss_weight must be >= 0, got {self.primary_loss_weight}")
         if self.num_experts < 0:

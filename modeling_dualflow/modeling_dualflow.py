@@ -326,7 +326,7 @@ class DualFlowCoupling(nn.Module):
 class DualFlowRoundGate(nn.Module):
     """
     Per-channel gain on a layer's residual update in the aux rounds after the first (`aux_num_rounds` > 1). Starts at
-    `aux_round_gate_init` (0 by default: extra rounds start as the identity, as a converted model needs to keep
+    `aux_round_gate_init` (1 for a model built with several rounds; 0, the identity, where a converted model must keep
     computing as its source).
     """
 
@@ -967,6 +967,9 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         device = (input_ids if input_ids is not None else inputs_embeds).device
         keep_positions = positions_to_keep(logits_to_keep, seq_len, device)
         keep_all = keeps_every_position(logits_to_keep, seq_len)
+        aux_positions = keep_positions
+        if use_aux_flow and labels is not None and keep_all and self.training and self.config.aux_train_fraction < 1:
+            aux_positions = self._aux_training_positions(seq_len, device)
 
         outputs: DualFlowModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -976,7 +979,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
-            aux_positions=keep_positions if use_aux_flow else None,
+            aux_positions=aux_positions if use_aux_flow else None,
             aux_inputs_embeds=aux_inputs_embeds,
             aux_num_experts_per_tok=aux_num_experts_per_tok,
             aux_num_rounds=aux_num_rounds,
@@ -988,9 +991,11 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         if not keep_all:
             # `.to`: under a device_map the last layer may sit on another device than the inputs.
             primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
-        if use_aux_flow:
+        if use_aux_flow and aux_positions is keep_positions:
             all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
             primary_logits, logits = all_logits.split(primary_rows.shape[0], dim=0)
+        elif use_aux_flow:  # training at a fraction of the positions: fewer aux rows than primary ones
+            primary_logits, logits = self.lm_head(primary_rows), self.lm_head(outputs.aux_last_hidden_state)
         else:
             primary_logits = logits = self.lm_head(primary_rows)
 
@@ -1000,13 +1005,16 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
                 raise ValueError("labels need logits at every position: leave logits_to_keep at 0")
             loss = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
             if use_aux_flow:
-                aux_ce = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+                if aux_positions is keep_positions:
+                    aux_ce = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+                else:
+                    aux_ce = self._aux_training_loss(logits, labels, aux_positions, **kwargs)
                 loss = aux_ce + self.config.primary_loss_weight * loss
 
         aux_loss = None
         if output_router_logits and outputs.router_logits:
             aux_loss = self._router_balance_loss(
-                outputs, attention_mask, seq_len, keep_positions, aux_num_experts_per_tok
+                outputs, attention_mask, seq_len, aux_positions, aux_num_experts_per_tok
             )
             if loss is not None:
                 balance_loss = self.config.router_aux_loss_coef * aux_loss.to(loss.device)
@@ -1030,6 +1038,26 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             aux_hidden_states=outputs.aux_hidden_states,
             aux_attentions=outputs.aux_attentions,
             aux_router_logits=outputs.aux_router_logits,
+        )
+
+    def _aux_training_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """
+        Positions at which a training forward runs the aux flow when `config.aux_train_fraction` < 1 (sorted; the
+        last position is left out: it has no next token to learn from).
+        """
+        labelled = max(seq_len - 1, 1)
+        count = max(1, round(self.config.aux_train_fraction * labelled))
+        if self.config.aux_train_positions == "last":
+            return torch.arange(labelled - count, labelled, device=device)
+        return torch.randperm(labelled, device=device)[:count].sort().values
+
+    def _aux_training_loss(self, logits, labels, positions, num_items_in_batch=None, **kwargs):
+        """The aux CE over the rows at `positions` (logits `(batch, len(positions), vocab)`): their next tokens."""
+        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:][:, positions]
+        if num_items_in_batch is not None:  # Trainer counts every label of the batch: this flow sees its share
+            num_items_in_batch = num_items_in_batch * positions.numel() / labels.shape[-1]
+        return self.loss_function(
+            logits, None, self.vocab_size, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
         )
 
     def _router_balance_loss(self, outputs, attention_mask, seq_len, keep_positions, aux_top_k):

@@ -47,6 +47,9 @@ TINY = dict(
     num_key_value_heads=2,
     moe_intermediate_size=24,
     max_position_embeddings=128,
+    # Tests compare the aux flow with the primary one: an aux embedding of its own keeps the flows apart from the start
+    # (new models copy the primary embedding by default).
+    aux_embed_init="independent",
 )
 
 

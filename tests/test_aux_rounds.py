@@ -46,9 +46,10 @@ class TestConfigAndArguments:
             tiny_model()(input_ids, aux_num_rounds=2)
 
     def test_round_gates_start_at_aux_round_gate_init_and_checkpoints_keep_theirs(self, tmp_path):
-        closed = DualFlowForCausalLM(tiny_config(aux_num_rounds=2))
+        closed = DualFlowForCausalLM(tiny_config(aux_num_rounds=2, aux_round_gate_init=0.0))
         assert all((layer.aux_round_gate.weight == 0).all() for layer in closed.model.layers)
-        opened = DualFlowForCausalLM(tiny_config(aux_num_rounds=2, aux_round_gate_init=1.0))
+        opened = DualFlowForCausalLM(tiny_config(aux_num_rounds=2))  # default for a new model with rounds: open
+        assert opened.config.aux_round_gate_init == 1.0 and tiny_config().aux_round_gate_init == 0.0
         assert all((layer.aux_round_gate.weight == 1).all() for layer in opened.model.layers)
         with torch.no_grad():
             opened.model.layers[0].aux_round_gate.weight.fill_(0.3)
@@ -176,6 +177,8 @@ def test_convert_aux_rounds_writes_the_field_and_keeps_parity(tmp_path):
     assert code == 0, stderr
     converted, _, _ = assert_parity(source, tmp_path / "out")  # the aux flow (2 rounds) still reproduces the source
     assert converted.config.aux_num_rounds == 2
+    # the upcycling init, whatever a new model's defaults: closed gates (the config says so too), copied embedding
+    assert (converted.config.aux_round_gate_init, converted.config.aux_embed_init) == (0.0, "copy")
     assert all(torch.count_nonzero(layer.aux_round_gate.weight) == 0 for layer in converted.model.layers)
     assert "--aux-rounds 2" in (tmp_path / "out" / "README.md").read_text()
     code, stderr = run_dualflow("convert", src, tmp_path / "bad", "--aux-rounds", 0)

@@ -10,27 +10,23 @@ import torch
 
 from dualflow.cli import main
 from dualflow.errors import DualFlowUserError
-from dualflow.instruments.aux_design import COUPLING_FORMS, apply_aux_design
-from dualflow.instruments.data import read_byte_tokens, spread_blocks
-from dualflow.instruments.experiment import (
+from dualflow.instruments.arms import (
     ARMS_BY_NAME,
     DEFAULT_ARMS,
     DEFAULT_SCALE,
     QUICK_SCALE,
     Arm,
     arm_costs,
-    depth_gain_share,
-    dual,
     flow_forward_flops,
-    format_table,
-    mean_and_error,
-    paired_differences,
     select_arms,
-    summarize,
 )
+from dualflow.instruments.aux_design import COUPLING_FORMS, apply_aux_design
+from dualflow.instruments.data import read_byte_tokens, spread_blocks
+from dualflow.instruments.report import format_table, fraction_study, size_study, summarize
+from dualflow.instruments.stats import depth_gain_share, mean_and_error, paired_differences, ratio_and_error
 from dualflow.instruments.tiny_lm import TinyScale, torch_default_init
 from dualflow.scoring import mean_token_nll, mean_token_nlls
-from modeling_dualflow import DualFlowForCausalLM
+from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -75,7 +71,7 @@ def test_paired_standard_error_on_known_numbers():
     assert depth_gain_share(strong, baseline, depth)["verdict"] == "reached"
 
 
-def test_arms_are_data_and_unknown_config_fields_are_refused():
+def test_arms_are_data_and_unknown_arms_are_refused():
     arm = ARMS_BY_NAME["dual kp1 ka3"]
     config = arm.model_config(DEFAULT_SCALE)
     assert arm.dual and config.use_aux_flow and (config.num_experts_per_tok, config.aux_num_experts_per_tok) == (1, 3)
@@ -87,15 +83,10 @@ def test_arms_are_data_and_unknown_config_fields_are_refused():
         init_arm.scale(DEFAULT_SCALE).init == "model" and init_arm.model_config(DEFAULT_SCALE).initializer_range == 0.02
     )
     assert ARMS_BY_NAME["dual kp2 ka4 plw 2"].model_config(DEFAULT_SCALE).primary_loss_weight == 2.0
-    # A config field the model does not have yet would be kept silently as an extra: such an arm is left out of the
-    # groups and refused by name.
-    future = dual(2, 4, "future", not_a_dual_flow_field=3)
-    assert future.missing_config_fields() == ["not_a_dual_flow_field"]
-    arms, skipped = select_arms(None)
+    arms = select_arms(None)
     names = [arm.name for arm in arms]
-    assert names[0] == "single k2" and set(names) | set(skipped) == set(DEFAULT_ARMS)
-    assert all(not ARMS_BY_NAME[name].missing_config_fields() for name in names)
-    assert [arm.name for arm in select_arms(["single k4"])[0]] == ["single k2", "single k4"]
+    assert names[0] == "single k2" and set(names) == set(DEFAULT_ARMS)
+    assert [arm.name for arm in select_arms(["single k4"])] == ["single k2", "single k4"]
     with pytest.raises(DualFlowUserError, match="unknown arm"):
         select_arms(["single k3"])
     assert isinstance(arms[0], Arm)
@@ -109,7 +100,7 @@ def test_flops_and_expert_counts():
     assert flow_forward_flops(config, context=10, top_k=2) == 2 * per_layer + 2 * d * V
     aux_layer = 2 * d * 2 * q + 2 * 2 * 10 * q + 2 * d * n_exp + 4 * 2 * 3 * d * inter
     assert flow_forward_flops(config, context=10, top_k=4, aux=True) == 2 * aux_layer + 2 * d * V
-    costs = {name: arm_costs(arm, scale) for name, arm in ARMS_BY_NAME.items() if not arm.missing_config_fields()}
+    costs = {name: arm_costs(arm, scale) for name, arm in ARMS_BY_NAME.items()}
     assert costs["dual kp2 ka4"]["prefill_experts_per_token"] == costs["single k2"]["prefill_experts_per_token"] == 4
     assert costs["dual kp2 ka4"]["decode_experts_per_token"] == 12  # (2 + 4) experts in each of 2 layers
     assert costs["dual kp2 ka4"]["prefill_flops_per_token"] == costs["single k2"]["prefill_flops_per_token"]
@@ -129,7 +120,7 @@ def test_experiment_quick_path_writes_json_and_plots(tmp_path, capsys):
     assert report["schema"] == "dualflow-experiment/2" and report["quick"] is True and report["seeds"] == [0, 1]
     assert report["complete"] and report["data"]["val_tokens"] == report["data"]["val_blocks"] * 32
     names = [arm["name"] for arm in report["arms"]]
-    assert names == [name for name in ARMS_BY_NAME if name in DEFAULT_ARMS and name not in report["arms_left_out"]]
+    assert names == [name for name in ARMS_BY_NAME if name in DEFAULT_ARMS]
     baseline_losses = [run["val_loss"] for run in report["arms"][0]["runs"]]
     for arm in report["arms"]:
         assert arm["name"] in printed and [run["seed"] for run in arm["runs"]] == [0, 1]
@@ -268,3 +259,62 @@ def test_resume_keeps_earlier_runs_and_trains_only_missing_ones(tmp_path):
     assert arms["single k2"]["runs"][0] == first["arms"][0]["runs"][0]
     assert len(report["commands"]) == 2 and report["commands"][1].startswith("dualflow experiment --quick --resume")
     assert main(quick[:3] + ["3"] + quick[4:] + ["--resume"] + data) == 2  # other --steps: refused
+
+
+def runs_of(losses, primary=None, tokens_per_cpu_s=1.0):
+    return [
+        {"seed": seed, "val_loss": loss, "primary_val_loss": loss if primary is None else primary[seed]}
+        | {"tokens_per_s": 1.0, "tokens_per_cpu_s": tokens_per_cpu_s}
+        for seed, loss in enumerate(losses)
+    ]
+
+
+def test_ratio_standard_error_by_the_delta_method_on_known_numbers():
+    # ratio of means 0.3 / 0.6 = 0.5; residuals a - 0.5 b = 0.05, -0.05, 0 -> std 0.05, SE 0.05 / sqrt(3) / 0.6
+    ratio = ratio_and_error({0: 0.3, 1: 0.2, 2: 0.4, 9: 1.0}, {0: 0.5, 1: 0.5, 2: 0.8})
+    assert ratio["ratio"] == pytest.approx(0.5) and ratio["n"] == 3
+    assert ratio["se"] == pytest.approx(0.05 / math.sqrt(3) / 0.6)
+    assert ratio_and_error({0: 1.0}, {0: 2.0}) is None  # one seed has no spread
+
+
+def test_arms_state_the_design_they_measured_whatever_the_new_defaults():
+    plain = ARMS_BY_NAME["dual kp2 ka4"].model_config(DEFAULT_SCALE)
+    assert (plain.aux_embed_init, plain.aux_round_gate_init) == ("independent", 0.0)  # the paper's design
+    assert ARMS_BY_NAME["dual kp2 ka4 r2"].model_config(DEFAULT_SCALE).aux_round_gate_init == 0.0
+    # the arm a new model's defaults give: the copied aux embedding
+    copied = ARMS_BY_NAME["dual kp2 ka4 aux emb copied"].model_config(DEFAULT_SCALE)
+    assert copied.aux_embed_init == DualFlowConfig().aux_embed_init == "copy"
+
+
+def test_size_arms_pair_with_the_baseline_and_depth_of_their_own_size():
+    names = ["single k2", "single k2 2x depth", "dual kp2 ka4", "dual kp2 ka4 r2 gate 1 aux emb copied plw 0.5"]
+    results = {}
+    for suffix, offset in (("", 0.0), (" h64", 0.5)):
+        for name, losses in zip(names, ([2.0, 2.2], [1.8, 2.0], [1.95, 2.1], [1.9, 2.08])):
+            results[name + suffix] = runs_of([loss + offset for loss in losses])
+    arms = [ARMS_BY_NAME[name] for name in results]
+    summary = summarize(arms, DEFAULT_SCALE, results)
+    small = {entry["name"]: entry for entry in summary}["dual kp2 ka4 h64"]
+    assert small["val_loss_delta"]["vs"] == "single k2 h64" and small["val_loss_delta"]["mean"] == pytest.approx(-0.075)
+    assert small["depth_gain_share"]["share"] == pytest.approx(0.375)
+    assert small["train_flops_per_token"] < summary[2]["train_flops_per_token"]  # a smaller model
+    rows = size_study(summary, DEFAULT_SCALE)
+    assert [row["hidden_size"] for row in rows] == [64, 96]
+    assert rows[0]["best design"]["depth_gain_share"]["share"] == pytest.approx(0.55)
+
+
+def test_a_fraction_wins_only_with_90_percent_of_its_gain_at_most_1_3x_the_cost():
+    best = "dual kp2 ka4 r2 gate 1 aux emb copied plw 0.5"
+    results = {
+        "single k2": runs_of([2.0, 2.2], tokens_per_cpu_s=100.0),
+        best: runs_of([1.9, 2.1], primary=[2.0, 2.2], tokens_per_cpu_s=40.0),
+        f"{best} f0.25": runs_of([1.905, 2.105], primary=[2.01, 2.21], tokens_per_cpu_s=80.0),
+        f"{best} f0.5": runs_of([1.95, 2.15], tokens_per_cpu_s=70.0),
+    }
+    summary = summarize([ARMS_BY_NAME[name] for name in results], DEFAULT_SCALE, results)
+    rows = {row["name"]: row for row in fraction_study(summary, results)}
+    quarter = rows[f"{best} f0.25"]
+    assert quarter["share_of_reference_gain"]["ratio"] == pytest.approx(0.95) and quarter["train_cost_cpu"] == 1.25
+    assert quarter["wins"] and not rows[f"{best} f0.5"]["wins"]  # half the gain at 1.43x
+    every_position = summary[1]["train_flops_per_token"] / summary[0]["train_flops_per_token"]
+    assert 1 < quarter["train_cost_flops"] < rows[f"{best} f0.5"]["train_cost_flops"] < every_position

@@ -87,8 +87,9 @@ class TestConfig:
         assert moe.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
 
     def test_aux_embed_init_copies_the_primary_embedding_of_a_new_model_only(self, tmp_path):
-        independent = DualFlowForCausalLM(tiny_config())
+        independent = DualFlowForCausalLM(tiny_config(aux_embed_init="independent"))
         assert not torch.equal(independent.model.aux_embed_tokens.weight, independent.model.embed_tokens.weight)
+        assert DualFlowConfig().aux_embed_init == "copy"  # the default of a new model: what measured best
         copied = DualFlowForCausalLM(tiny_config(aux_embed_init="copy"))
         assert torch.equal(copied.model.aux_embed_tokens.weight, copied.model.embed_tokens.weight)
         with torch.no_grad():  # trained: the two tables part
@@ -96,6 +97,19 @@ class TestConfig:
         copied.save_pretrained(tmp_path)
         loaded = DualFlowForCausalLM.from_pretrained(tmp_path)  # loaded weights are never re-initialised
         assert torch.equal(loaded.model.aux_embed_tokens.weight, copied.model.aux_embed_tokens.weight)
+
+    def test_new_defaults_leave_an_older_checkpoint_as_saved(self, tmp_path):
+        # a checkpoint saved before the defaults changed: independent aux embedding, closed round gates, and a
+        # config.json that names neither init field
+        old = tiny_model(aux_num_rounds=2, aux_embed_init="independent", aux_round_gate_init=0.0)
+        old.save_pretrained(tmp_path)
+        config_file = tmp_path / "config.json"
+        fields = json.loads(config_file.read_text())
+        del fields["aux_embed_init"], fields["aux_round_gate_init"]
+        config_file.write_text(json.dumps(fields))
+        loaded = DualFlowForCausalLM.from_pretrained(tmp_path)
+        for name, tensor in old.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], tensor), name
 
     def test_save_load_round_trip(self, tmp_path):
         config = tiny_config(aux_num_experts_per_tok=3, qk_norm="per_head", sliding_window=4)

@@ -24,14 +24,9 @@ from ..convert import convert_checkpoint
 from ..errors import DualFlowUserError
 from ..lora import add_lora
 from ..scoring import mean_token_nll, mean_token_nlls
-from .experiment import (
-    command_line,
-    format_error,
-    load_corpus,
-    mean_and_error,
-    paired_differences,
-    print_footer,
-)
+from .report import command_line, print_footer
+from .runner import load_corpus
+from .stats import format_error, mean_and_error, paired_differences
 from .tables import text_table
 from .tiny_lm import TinyScale, tiny_moe_config, train_language_model, train_model
 
@@ -268,5 +263,5 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
         f"prediction = aux flow for dual recipes; Δ paired by seed, ± = standard error over {num_seeds} seed(s); "
         f"pretrain {scale.steps} steps, continue {continue_steps} steps. Total {report['wall_s_total'] / 60:.1f} min."
     )
-    print_footer([], [out / "upcycle.json"], args.quick)
+    print_footer([out / "upcycle.json"], args.quick)
     return 0
