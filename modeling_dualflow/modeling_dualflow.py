@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -30,7 +31,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import is_flash_attention_requested, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, _active_collector, capture_outputs
 
 from .cache_dualflow import DualFlowCache
@@ -146,12 +147,23 @@ class DualFlowAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         is_causal: bool | None = None,
+        aux_attention_mask: torch.Tensor | None = None,
+        aux_is_causal: bool | None = None,
+        aux_as_query_heads: bool = True,
+        position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         primary_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-        # hidden_states: (batch, T + P, hidden), already normed. Given `primary_key_values` (an extra aux round), the rows
-        # are aux rows only (num_primary = 0) and attend to those keys/values: nothing is projected or cached.
+        """
+        hidden_states: (batch, T + P, hidden), already normed. `attention_mask` / `is_causal` are the primary rows'.
+        Aux rows at the primary rows' positions (`aux_as_query_heads`, P = T: training, scoring, decode) attend in the
+        same call as extra query heads; other aux rows (prefill with `logits_to_keep`) in a second call with
+        `aux_attention_mask` / `aux_is_causal`. Given `primary_key_values` (an extra aux round), the rows are aux rows
+        only (num_primary = 0, their mask in `attention_mask`) and attend to those keys/values: nothing is projected or
+        cached. `position_ids` go to the calls whose query rows are the primary positions (flash finds packed sequences
+        from them).
+        """
         q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
         query_states = self._project(
             hidden_states, self.q_proj, q_norm, num_primary, getattr(self, "aux_q_adapter", None)
@@ -172,23 +184,70 @@ class DualFlowAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            is_causal=is_causal,
-            **kwargs,
-        )
+
+        def attend(module, query, mask, causal, positions):
+            return attention_interface(
+                module,
+                query,
+                key_states,
+                value_states,
+                mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                is_causal=causal,
+                position_ids=positions,
+                **kwargs,
+            )
+
+        num_rows = hidden_states.shape[1]
+        if num_primary in (0, num_rows):  # one flow's rows only
+            attn_output, attn_weights = attend(self, query_states, attention_mask, is_causal, position_ids)
+        elif aux_as_query_heads:
+            # (batch, heads, 2T, d) -> (batch, 2 * heads, T, d): per key/value head its primary query heads, then as
+            # many aux heads, so the GQA head order of every backend (head h reads key/value head h // group) holds.
+            batch, num_heads, _, head_dim = query_states.shape
+            num_kv_heads, group = num_heads // self.num_key_value_groups, self.num_key_value_groups
+            query_states = query_states.reshape(batch, num_kv_heads, group, 2, num_primary, head_dim)
+            query_states = query_states.transpose(2, 3).reshape(batch, 2 * num_heads, num_primary, head_dim)
+            attn_output, attn_weights = attend(
+                AuxQueryHeads(self), query_states, attention_mask, is_causal, position_ids
+            )
+            # (batch, T, 2 * heads, d) -> (batch, 2T, heads * d): back to [primary rows; aux rows]
+            attn_output = attn_output.reshape(batch, num_primary, num_kv_heads, 2, group, head_dim)
+            attn_output = attn_output.permute(0, 3, 1, 2, 4, 5)
+            if attn_weights is not None:  # (batch, 2 * heads, T, keys) -> (batch, heads, 2T, keys)
+                attn_weights = attn_weights.reshape(batch, num_kv_heads, 2, group, num_primary, -1)
+                attn_weights = attn_weights.transpose(2, 3).reshape(batch, num_heads, num_rows, -1)
+        else:
+            primary_output, primary_weights = attend(
+                self, query_states[:, :, :num_primary], attention_mask, is_causal, position_ids
+            )
+            aux_output, aux_weights = attend(
+                self, query_states[:, :, num_primary:], aux_attention_mask, aux_is_causal, None
+            )
+            attn_output = torch.cat([primary_output, aux_output], dim=1)
+            attn_weights = None if primary_weights is None else torch.cat([primary_weights, aux_weights], dim=2)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
         attn_output = add_to_aux_rows(
             self.o_proj(attn_output), attn_output, getattr(self, "aux_o_adapter", None), num_primary
         )
         return attn_output, attn_weights, (key_states, value_states)
+
+
+class AuxQueryHeads:
+    """
+    The attention module as the attention functions see it when the aux rows ride as extra query heads: twice the
+    query heads per key/value head (eager and sdpa read `num_key_value_groups` for `repeat_kv`; flash and flex take it
+    from the shapes). Every other attribute is the module's own.
+    """
+
+    def __init__(self, attention: DualFlowAttention):
+        self.attention = attention
+        self.num_key_value_groups = 2 * attention.num_key_value_groups
+
+    def __getattr__(self, name):
+        return getattr(self.attention, name)
 
 
 class DualFlowMLP(Qwen2MoeMLP):
@@ -339,6 +398,10 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         is_causal: bool | None = None,
+        aux_attention_mask: torch.Tensor | None = None,
+        aux_is_causal: bool | None = None,
+        aux_as_query_heads: bool = True,
+        position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         aux_top_k: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -347,7 +410,8 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         First round: hidden_states = (batch, T + P, hidden) = [primary rows; aux rows]. An extra aux round passes the P
         aux rows alone, with `primary_entering` (the primary state that entered this layer at the aux positions) and
         this layer's primary keys/values from the first round (positional, so reentrant checkpointing sees them).
-        Returns the layer output and the primary keys/values its attention used.
+        Returns the layer output and the primary keys/values its attention used. The mask arguments: see
+        `DualFlowAttention.forward`.
         """
         extra_round = primary_keys is not None
         layer_input = hidden_states
@@ -363,6 +427,10 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             is_causal=is_causal,
+            aux_attention_mask=aux_attention_mask,
+            aux_is_causal=aux_is_causal,
+            aux_as_query_heads=aux_as_query_heads,
+            position_ids=position_ids,
             cache=cache,
             primary_key_values=(primary_keys, primary_values) if extra_round else None,
             **kwargs,
@@ -441,10 +509,11 @@ class DualFlowPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DualFlowDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values", "cache"]
+    # Every backend runs plain causal attention: aux rows at the primary positions as extra query heads over the same
+    # keys/values, other aux rows (prefill with logits_to_keep) in a second call, bottom-right causal.
     _supports_sdpa = True
-    # Flash / flex kernels cannot take the stacked [primary; aux] query rows with a copied mask row.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
+    _supports_flash_attn = True
+    _supports_flex_attn = True
     # Serving engines' attention backends (vLLM / TGI through transformers) assume one query row per key row written
     # to their paged cache; the aux rows break that. Engines use `dualflow.serving` instead.
     _supports_attention_backend = False
@@ -527,25 +596,38 @@ class DualFlowModel(DualFlowPreTrainedModel):
                     "(batch, past + new tokens)"
                 )
 
-    def _grouped_attention_mask(self, primary_mask, num_primary, aux_positions, past_length, kv_length):
+    def _aux_attention_mask(self, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length):
         """
-        Mask and is_causal flag for the stacked query rows: an aux row reuses its position's primary mask row. Only
-        sdpa ever skips the primary mask (eager always gets a float mask), so a mask built here is boolean.
+        Mask and is_causal flag of the aux rows when they sit at other positions than the primary rows (prefill or
+        scoring with `logits_to_keep`): each aux row gets its position's primary mask row (padding, window), in the form
+        the backend takes. `last_positions`: the aux rows are the last P positions, in order.
         """
-        if aux_positions is None:
-            return primary_mask, None
-        if primary_mask is not None:
-            return torch.cat([primary_mask, primary_mask[:, :, aux_positions]], dim=2), None
-        # The mask was skipped: plain causal attention with no padding.
-        if num_primary == 1:
-            return None, False  # decode: every row sees every cached key
-        # kv_length > past + T for a static cache: its empty slots must stay masked.
-        if past_length == 0 and kv_length == num_primary and bool((aux_positions == num_primary - 1).all()):
-            # sdpa aligns is_causal top-left: rows >= T-1 see all T keys, exactly the last position's row.
-            return None, True
-        device = aux_positions.device
-        query_pos = torch.cat([torch.arange(num_primary, device=device), aux_positions]) + past_length
-        mask = torch.arange(kv_length, device=device)[None, :] <= query_pos[:, None]
+        num_aux = aux_positions.shape[0]
+        if isinstance(primary_mask, BlockMask):  # flex: the primary mask function, its query index mapped to positions
+            primary_mask_mod = primary_mask.mask_mod
+
+            def aux_mask_mod(batch_idx, head_idx, q_idx, kv_idx):
+                return primary_mask_mod(batch_idx, head_idx, aux_positions[q_idx], kv_idx)
+
+            batch_size, kv_length = primary_mask.kv_num_blocks.shape[0], primary_mask.seq_lengths[1]
+            return create_block_mask(aux_mask_mod, batch_size, None, num_aux, kv_length, aux_positions.device), None
+        if is_flash_attention_requested(self.config):
+            # flash takes a 2-D padding mask (or none) and aligns causal attention bottom-right: exactly the mask rows
+            # of the last P positions; other positions have no such form.
+            if not last_positions:
+                raise ValueError(
+                    "flash attention runs the aux flow at the last k positions: pass logits_to_keep as an int, or use "
+                    'attn_implementation="sdpa", "eager" or "flex_attention" for a tensor of positions'
+                )
+            return primary_mask, True
+        if primary_mask is not None:  # eager / sdpa: the (batch, 1, P, keys) rows of the dense mask
+            return primary_mask[:, :, aux_positions], None
+        # sdpa skipped the mask: causal, no padding, no window in reach. kv_length > past + T for a static cache: its
+        # empty slots must stay masked.
+        if last_positions and num_aux == 1 and kv_length == past_length + num_primary:
+            return None, False  # the last position sees every key
+        query_positions = aux_positions + past_length
+        mask = torch.arange(kv_length, device=aux_positions.device)[None, :] <= query_positions[:, None]
         return mask[None, None], None
 
     def _extra_aux_rounds(
@@ -554,7 +636,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         first_round,
         num_extra,
         aux_positions,
-        grouped_mask,
+        aux_masks,
         position_embeddings,
         num_primary,
         aux_top_k,
@@ -563,9 +645,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
         """
         Aux rounds 2..R: the aux rows alone go through every layer again, coupled to the same primary states and
         attending to the same primary keys/values (with the same mask rows) as in the first round; nothing is cached.
+        `aux_masks`: the aux rows' (mask, is_causal, position_ids) as the first round's attention saw them.
         """
-        # An absent mask means every aux row sees every key (decode, or only the last prompt position).
-        aux_mask = grouped_mask[:, :, num_primary:] if grouped_mask is not None else None
+        aux_mask, aux_is_causal, aux_position_ids = aux_masks
         cos, sin = position_embeddings
         aux_embeddings = (cos[:, num_primary:], sin[:, num_primary:])
         # Per-layer outputs (hidden_states, attentions, router_logits) describe the first round: pause their recording.
@@ -582,7 +664,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
                         aux_positions=aux_positions,
                         attention_mask=aux_mask,
                         position_embeddings=aux_embeddings,
-                        is_causal=False if aux_mask is None else None,
+                        is_causal=aux_is_causal,
+                        position_ids=aux_position_ids,
                         aux_top_k=aux_top_k,
                         **kwargs,
                     )
@@ -599,7 +682,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        aux_positions: torch.LongTensor | None = None,
+        aux_positions: int | torch.LongTensor | None = None,
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
@@ -607,8 +690,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowModelOutputWithPast:
         r"""
-        aux_positions (`torch.LongTensor` of shape `(num_aux_positions,)`, *optional*):
-            Sequence indices at which the auxiliary flow runs; `None` runs the primary flow only.
+        aux_positions (`int` or `torch.LongTensor` of shape `(num_aux_positions,)`, *optional*):
+            Where the auxiliary flow runs, read like `logits_to_keep`: 0 every position, an int k the last k, a tensor
+            those sequence indices; `None` runs the primary flow only.
         aux_inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
             Where the aux flow starts. The aux row of a position starts from `aux_inputs_embeds` when given, else from
             the aux embedding of its id, else (no ids: `inputs_embeds` only) from its `inputs_embeds` row.
@@ -675,7 +759,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        aux_positions: torch.LongTensor | None = None,
+        aux_positions: int | torch.LongTensor | None = None,
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
@@ -705,6 +789,11 @@ class DualFlowModel(DualFlowPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         num_primary = inputs_embeds.shape[1]
+        aux_as_query_heads = last_positions = False
+        if aux_positions is not None:
+            aux_as_query_heads = keeps_every_position(aux_positions, num_primary)
+            last_positions = not isinstance(aux_positions, torch.Tensor)
+            aux_positions = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
         if position_ids is None:
             position_ids = torch.arange(num_primary, device=inputs_embeds.device).unsqueeze(0) + past_length
 
@@ -724,10 +813,17 @@ class DualFlowModel(DualFlowPreTrainedModel):
             # `.to`: a device_map may put the two embedding tables on different devices.
             hidden_states = torch.cat([inputs_embeds, aux_embeds.to(inputs_embeds.device)], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
-        kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
-        grouped_mask, is_causal = self._grouped_attention_mask(
-            primary_mask, num_primary, aux_positions, past_length, kv_length
-        )
+        # Aux rows at every position attend in the primary rows' call, as extra query heads over the same keys/values
+        # (same mask, no extra rows); else in a call of their own with their own mask rows.
+        aux_masks = (primary_mask, None, position_ids)
+        if aux_positions is not None and not aux_as_query_heads:
+            kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
+            aux_masks = (
+                *self._aux_attention_mask(
+                    primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length
+                ),
+                None,
+            )
         position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
 
         extra_rounds = num_rounds - 1 if aux_positions is not None else 0
@@ -738,9 +834,12 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 hidden_states,
                 num_primary=num_primary,
                 aux_positions=aux_positions,
-                attention_mask=grouped_mask,
+                attention_mask=primary_mask,
                 position_embeddings=position_embeddings,
-                is_causal=is_causal,
+                aux_attention_mask=aux_masks[0],
+                aux_is_causal=aux_masks[1],
+                aux_as_query_heads=aux_as_query_heads,
+                position_ids=position_ids,
                 cache=cache,
                 aux_top_k=aux_top_k,
                 **kwargs,
@@ -753,7 +852,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 first_round,
                 extra_rounds,
                 aux_positions,
-                grouped_mask,
+                aux_masks,
                 position_embeddings,
                 num_primary,
                 aux_top_k,
@@ -912,7 +1011,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
-            aux_positions=keep_positions if use_aux_flow else None,
+            aux_positions=logits_to_keep if use_aux_flow else None,
             aux_inputs_embeds=aux_inputs_embeds,
             aux_num_experts_per_tok=aux_num_experts_per_tok,
             aux_num_rounds=aux_num_rounds,
