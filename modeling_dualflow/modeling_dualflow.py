@@ -588,7 +588,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 if low < 0 or high >= self.vocab_size:
                     bad = low if low < 0 else high
                     raise ValueError(f"input_ids contain token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        if attention_mask is not None and attention_mask.dim() == 2:
+        # generate may hand a prepared mask (a flex BlockMask with a static cache): only a 2-D padding mask is checked
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             expected = (shape[0], past_length + shape[1])
             if tuple(attention_mask.shape) != expected:
                 raise ValueError(
@@ -1075,7 +1076,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         num_experts = self.config.num_experts
         aux_top_k = self.config.aux_num_experts_per_tok if aux_top_k is None else aux_top_k
         # A 2-D mask covers past + new tokens; its last seq_len columns are this call's positions.
-        mask = attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        two_dims = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+        mask = attention_mask[:, -seq_len:] if two_dims else None
         loss = load_balancing_loss_func(outputs.router_logits, num_experts, self.config.num_experts_per_tok, mask)
         if outputs.aux_router_logits is not None:
             aux_mask = mask[:, keep_positions] if mask is not None else None
