@@ -7,11 +7,11 @@ both flows in one call (grouped execution); only the primary rows produce keys/v
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
@@ -31,7 +31,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import is_flash_attention_requested, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_dualflow import DualFlowCache
@@ -45,6 +45,22 @@ from .configuration_dualflow import DualFlowConfig
 # under CACHE_FIELD, `_skip_keys_device_placement` (and the config's `keys_to_ignore_at_inference`) name both, and
 # `create_causal_mask` gets the cache by position. tests/test_versions.py pins this at each end of the range.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+# transformers has no public way to ask which outputs the running `capture_outputs` call records. Recorded hidden
+# states and attention weights must be tensors of the graph (`retain_grad` on them gets a gradient), which costs a
+# split per layer that only recording needs, so the model asks the private collector (the same in 5.19 .. 5.24). If a
+# later version renames it, the import fails softly: outputs are still recorded, as views of the stacked rows.
+try:
+    from transformers.utils.output_capturing import _active_collector as _output_collector
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    _output_collector = None
+
+
+def recorded_outputs() -> dict:
+    """The outputs the running `capture_outputs` call records (keys such as "hidden_states"); {} when none or unknown."""
+    return (_output_collector.get() if _output_collector is not None else None) or {}
+
+
 # -----------------------------------------------------------------------------------------------------------------------
 
 
@@ -105,19 +121,6 @@ def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlo
     return torch.cat([output[:, :num_primary], aux_output], dim=1) if num_primary else aux_output
 
 
-def attend_flows_apart(attention_interface, module, query, key, value, attention_mask, num_primary, **kwargs):
-    """
-    The attention call with each flow's query rows in a call of their own. Used when attention weights are recorded:
-    each flow's weights are then a tensor of the graph (`retain_grad` on `attentions` gets a gradient), not a view
-    taken after the call. query: (batch, heads, T + P, head_dim); returns the output rows and the (primary, aux) weights.
-    """
-    outputs = []
-    for rows in (slice(0, num_primary), slice(num_primary, None)):
-        mask = attention_mask[:, :, rows] if attention_mask is not None else None
-        outputs.append(attention_interface(module, query[:, :, rows], key, value, mask, **kwargs))
-    return torch.cat([output for output, _ in outputs], dim=1), tuple(weights for _, weights in outputs)
-
-
 class DualFlowAttention(nn.Module):
     """Self-attention whose queries are [primary rows; aux rows] and whose keys/values come from primary rows only."""
 
@@ -166,12 +169,23 @@ class DualFlowAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None,
         is_causal: bool | None = None,
+        aux_attention_mask: torch.Tensor | None = None,
+        aux_is_causal: bool | None = None,
+        aux_as_query_heads: bool = True,
+        position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         primary_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-        # hidden_states: (batch, T + P, hidden), already normed. Given `primary_key_values` (an extra aux round), the rows
-        # are aux rows only (num_primary = 0) and attend to those keys/values: nothing is projected or cached.
+        """
+        hidden_states: (batch, T + P, hidden), already normed. `attention_mask` / `is_causal` are the primary rows'.
+        Aux rows at the primary rows' positions (`aux_as_query_heads`, P = T: training, scoring, decode) attend in the
+        same call as extra query heads; other aux rows (prefill with `logits_to_keep`) in a second call with
+        `aux_attention_mask` / `aux_is_causal`. Given `primary_key_values` (an extra aux round), the rows are aux rows
+        only (num_primary = 0, their mask in `attention_mask`) and attend to those keys/values: nothing is projected or
+        cached. `position_ids` go to the calls whose query rows are the primary positions (flash finds packed sequences
+        from them).
+        """
         q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
         query_states = self._project(
             hidden_states, self.q_proj, q_norm, num_primary, getattr(self, "aux_q_adapter", None)
@@ -192,30 +206,77 @@ class DualFlowAttention(nn.Module):
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        recording = _active_collector.get()
-        if (
-            self.config._attn_implementation == "eager"  # the one backend that returns attention weights
-            and "attentions" in (recording or {})
-            and 0 < num_primary < hidden_states.shape[1]
-        ):
-            attention_interface = partial(attend_flows_apart, attention_interface, num_primary=num_primary)
-        attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            sliding_window=self.sliding_window,
-            is_causal=is_causal,
-            **kwargs,
-        )
+
+        def attend(module, query, mask, causal, positions):
+            return attention_interface(
+                module,
+                query,
+                key_states,
+                value_states,
+                mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                is_causal=causal,
+                position_ids=positions,
+                **kwargs,
+            )
+
+        num_rows = hidden_states.shape[1]
+        # Recorded attention weights (eager) must be each flow's own tensor of the graph: a call per flow then.
+        records_weights = self.config._attn_implementation == "eager" and "attentions" in recorded_outputs()
+        if num_primary in (0, num_rows):  # one flow's rows only
+            attn_output, attn_weights = attend(self, query_states, attention_mask, is_causal, position_ids)
+        elif aux_as_query_heads and not records_weights:
+            # (batch, heads, 2T, d) -> (batch, 2 * heads, T, d): per key/value head its primary query heads, then as
+            # many aux heads, so the GQA head order of every backend (head h reads key/value head h // group) holds.
+            batch, num_heads, _, head_dim = query_states.shape
+            num_kv_heads, group = num_heads // self.num_key_value_groups, self.num_key_value_groups
+            query_states = query_states.reshape(batch, num_kv_heads, group, 2, num_primary, head_dim)
+            query_states = query_states.transpose(2, 3).reshape(batch, 2 * num_heads, num_primary, head_dim)
+            attn_output, attn_weights = attend(
+                AuxQueryHeads(self), query_states, attention_mask, is_causal, position_ids
+            )
+            # (batch, T, 2 * heads, d) -> (batch, 2T, heads * d): back to [primary rows; aux rows]
+            attn_output = attn_output.reshape(batch, num_primary, num_kv_heads, 2, group, head_dim)
+            attn_output = attn_output.permute(0, 3, 1, 2, 4, 5)
+            if attn_weights is not None:  # (batch, 2 * heads, T, keys) -> (batch, heads, 2T, keys)
+                attn_weights = attn_weights.reshape(batch, num_kv_heads, 2, group, num_primary, -1)
+                attn_weights = attn_weights.transpose(2, 3).reshape(batch, num_heads, num_rows, -1)
+        else:
+            if aux_as_query_heads:  # aux rows at the primary positions: the primary rows' mask
+                aux_attention_mask, aux_is_causal, aux_position_ids = attention_mask, is_causal, position_ids
+            else:
+                aux_position_ids = None
+            primary_output, primary_weights = attend(
+                self, query_states[:, :, :num_primary], attention_mask, is_causal, position_ids
+            )
+            aux_output, aux_weights = attend(
+                self, query_states[:, :, num_primary:], aux_attention_mask, aux_is_causal, aux_position_ids
+            )
+            attn_output = torch.cat([primary_output, aux_output], dim=1)
+            # (primary, aux) weights, each as the call returned it: split_rows keeps such pairs as they are
+            attn_weights = None if primary_weights is None else (primary_weights, aux_weights)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
         attn_output = add_to_aux_rows(
             self.o_proj(attn_output), attn_output, getattr(self, "aux_o_adapter", None), num_primary
         )
         return attn_output, attn_weights, (key_states, value_states)
+
+
+class AuxQueryHeads:
+    """
+    The attention module as the attention functions see it when the aux rows ride as extra query heads: twice the
+    query heads per key/value head (eager and sdpa read `num_key_value_groups` for `repeat_kv`; flash and flex take it
+    from the shapes). Every other attribute is the module's own.
+    """
+
+    def __init__(self, attention: DualFlowAttention):
+        self.attention = attention
+        self.num_key_value_groups = 2 * attention.num_key_value_groups
+
+    def __getattr__(self, name):
+        return getattr(self.attention, name)
 
 
 class DualFlowMLP(Qwen2MoeMLP):
@@ -366,6 +427,10 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         attention_mask: torch.Tensor | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         is_causal: bool | None = None,
+        aux_attention_mask: torch.Tensor | None = None,
+        aux_is_causal: bool | None = None,
+        aux_as_query_heads: bool = True,
+        position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         aux_top_k: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -374,7 +439,8 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         First round: hidden_states = (batch, T + P, hidden) = [primary rows; aux rows]. An extra aux round passes the P
         aux rows alone, with `primary_entering` (the primary state that entered this layer at the aux positions) and
         this layer's primary keys/values from the first round (positional, so reentrant checkpointing sees them).
-        Returns the layer output and the primary keys/values its attention used.
+        Returns the layer output and the primary keys/values its attention used. The mask arguments: see
+        `DualFlowAttention.forward`.
         """
         extra_round = primary_keys is not None
         layer_input = hidden_states
@@ -390,6 +456,10 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             is_causal=is_causal,
+            aux_attention_mask=aux_attention_mask,
+            aux_is_causal=aux_is_causal,
+            aux_as_query_heads=aux_as_query_heads,
+            position_ids=position_ids,
             cache=cache,
             primary_key_values=(primary_keys, primary_values) if extra_round else None,
             **kwargs,
@@ -480,10 +550,11 @@ class DualFlowPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["DualFlowDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values", "cache"]
+    # Every backend runs plain causal attention: aux rows at the primary positions as extra query heads over the same
+    # keys/values, other aux rows (prefill with logits_to_keep) in a second call, bottom-right causal.
     _supports_sdpa = True
-    # Flash / flex kernels cannot take the stacked [primary; aux] query rows with a copied mask row.
-    _supports_flash_attn = False
-    _supports_flex_attn = False
+    _supports_flash_attn = True
+    _supports_flex_attn = True
     # Serving engines' attention backends (vLLM / TGI through transformers) assume one query row per key row written
     # to their paged cache; the aux rows break that. Engines use `dualflow.serving` instead.
     _supports_attention_backend = False
@@ -565,7 +636,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 if low < 0 or high >= self.vocab_size:
                     bad = low if low < 0 else high
                     raise ValueError(f"input_ids contain token id {bad} outside the vocabulary [0, {self.vocab_size})")
-        if attention_mask is not None and attention_mask.dim() == 2:
+        # generate may hand a prepared mask (a flex BlockMask with a static cache): only a 2-D padding mask is checked
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             expected = (shape[0], past_length + shape[1])
             if tuple(attention_mask.shape) != expected:
                 raise ValueError(
@@ -573,25 +645,38 @@ class DualFlowModel(DualFlowPreTrainedModel):
                     "(batch, past + new tokens)"
                 )
 
-    def _grouped_attention_mask(self, primary_mask, num_primary, aux_positions, past_length, kv_length):
+    def _aux_attention_mask(self, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length):
         """
-        Mask and is_causal flag for the stacked query rows: an aux row reuses its position's primary mask row. Only
-        sdpa ever skips the primary mask (eager always gets a float mask), so a mask built here is boolean.
+        Mask and is_causal flag of the aux rows when they sit at other positions than the primary rows (prefill or
+        scoring with `logits_to_keep`): each aux row gets its position's primary mask row (padding, window), in the form
+        the backend takes. `last_positions`: the aux rows are the last P positions, in order.
         """
-        if aux_positions is None:
-            return primary_mask, None
-        if primary_mask is not None:
-            return torch.cat([primary_mask, primary_mask[:, :, aux_positions]], dim=2), None
-        # The mask was skipped: plain causal attention with no padding.
-        if num_primary == 1:
-            return None, False  # decode: every row sees every cached key
-        # kv_length > past + T for a static cache: its empty slots must stay masked.
-        if past_length == 0 and kv_length == num_primary and bool((aux_positions == num_primary - 1).all()):
-            # sdpa aligns is_causal top-left: rows >= T-1 see all T keys, exactly the last position's row.
-            return None, True
-        device = aux_positions.device
-        query_pos = torch.cat([torch.arange(num_primary, device=device), aux_positions]) + past_length
-        mask = torch.arange(kv_length, device=device)[None, :] <= query_pos[:, None]
+        num_aux = aux_positions.shape[0]
+        if isinstance(primary_mask, BlockMask):  # flex: the primary mask function, its query index mapped to positions
+            primary_mask_mod = primary_mask.mask_mod
+
+            def aux_mask_mod(batch_idx, head_idx, q_idx, kv_idx):
+                return primary_mask_mod(batch_idx, head_idx, aux_positions[q_idx], kv_idx)
+
+            batch_size, kv_length = primary_mask.kv_num_blocks.shape[0], primary_mask.seq_lengths[1]
+            return create_block_mask(aux_mask_mod, batch_size, None, num_aux, kv_length, aux_positions.device), None
+        if is_flash_attention_requested(self.config):
+            # flash takes a 2-D padding mask (or none) and aligns causal attention bottom-right: exactly the mask rows
+            # of the last P positions; other positions have no such form.
+            if not last_positions:
+                raise ValueError(
+                    "flash attention runs the aux flow at the last k positions: pass logits_to_keep as an int, or use "
+                    'attn_implementation="sdpa", "eager" or "flex_attention" for a tensor of positions'
+                )
+            return primary_mask, True
+        if primary_mask is not None:  # eager / sdpa: the (batch, 1, P, keys) rows of the dense mask
+            return primary_mask[:, :, aux_positions], None
+        # sdpa skipped the mask: causal, no padding, no window in reach. kv_length > past + T for a static cache: its
+        # empty slots must stay masked.
+        if last_positions and num_aux == 1 and kv_length == past_length + num_primary:
+            return None, False  # the last position sees every key
+        query_positions = aux_positions + past_length
+        mask = torch.arange(kv_length, device=aux_positions.device)[None, :] <= query_positions[:, None]
         return mask[None, None], None
 
     # Per-layer outputs (hidden_states, attentions, router_logits) describe the first round. A nested `capture_outputs`
@@ -604,7 +689,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         first_round,
         num_extra,
         aux_positions,
-        grouped_mask,
+        aux_masks,
         position_embeddings,
         num_primary,
         aux_top_k,
@@ -613,9 +698,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
         """
         Aux rounds 2..R: the aux rows alone go through every layer again, coupled to the same primary states and
         attending to the same primary keys/values (with the same mask rows) as in the first round; nothing is cached.
+        `aux_masks`: the aux rows' (mask, is_causal, position_ids) as the first round's attention saw them.
         """
-        # An absent mask means every aux row sees every key (decode, or only the last prompt position).
-        aux_mask = grouped_mask[:, :, num_primary:] if grouped_mask is not None else None
+        aux_mask, aux_is_causal, aux_position_ids = aux_masks
         cos, sin = position_embeddings
         aux_embeddings = (cos[:, num_primary:], sin[:, num_primary:])
         for _ in range(num_extra):
@@ -629,7 +714,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
                     aux_positions=aux_positions,
                     attention_mask=aux_mask,
                     position_embeddings=aux_embeddings,
-                    is_causal=False if aux_mask is None else None,
+                    is_causal=aux_is_causal,
+                    position_ids=aux_position_ids,
                     aux_top_k=aux_top_k,
                     **kwargs,
                 )
@@ -644,7 +730,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        aux_positions: torch.LongTensor | None = None,
+        aux_positions: int | torch.LongTensor | None = None,
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
@@ -652,8 +738,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowModelOutputWithPast:
         r"""
-        aux_positions (`torch.LongTensor` of shape `(num_aux_positions,)`, *optional*):
-            Sequence indices at which the auxiliary flow runs; `None` runs the primary flow only.
+        aux_positions (`int` or `torch.LongTensor` of shape `(num_aux_positions,)`, *optional*):
+            Where the auxiliary flow runs, read like `logits_to_keep`: 0 every position, an int k the last k, a tensor
+            those sequence indices; `None` runs the primary flow only.
         aux_inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
             Where the aux flow starts. The aux row of a position starts from `aux_inputs_embeds` when given, else from
             the aux embedding of its id, else (no ids: `inputs_embeds` only) from its `inputs_embeds` row.
@@ -720,7 +807,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.FloatTensor | None = None,
         use_cache: bool | None = None,
-        aux_positions: torch.LongTensor | None = None,
+        aux_positions: int | torch.LongTensor | None = None,
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
@@ -753,6 +840,11 @@ class DualFlowModel(DualFlowPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         num_primary = inputs_embeds.shape[1]
+        aux_as_query_heads = last_positions = False
+        if aux_positions is not None:
+            aux_as_query_heads = keeps_every_position(aux_positions, num_primary)
+            last_positions = not isinstance(aux_positions, torch.Tensor)
+            aux_positions = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
         if position_ids is None:
             position_ids = torch.arange(num_primary, device=inputs_embeds.device).unsqueeze(0) + past_length
 
@@ -773,10 +865,17 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_embeds = aux_embeds.to(inputs_embeds.device)
             hidden_states = torch.cat([inputs_embeds, aux_embeds], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
-        kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
-        grouped_mask, is_causal = self._grouped_attention_mask(
-            primary_mask, num_primary, aux_positions, past_length, kv_length
-        )
+        # Aux rows at every position attend in the primary rows' call, as extra query heads over the same keys/values
+        # (same mask, no extra rows); else in a call of their own with their own mask rows.
+        aux_masks = (primary_mask, None, position_ids)
+        if aux_positions is not None and not aux_as_query_heads:
+            kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
+            aux_masks = (
+                *self._aux_attention_mask(
+                    primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length
+                ),
+                None,
+            )
         position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
 
         extra_rounds = num_rounds - 1 if aux_positions is not None else 0
@@ -784,7 +883,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         # Recorded hidden states must be tensors of the graph (`retain_grad` on them gets a gradient), not views taken
         # after the layers ran: with aux rows, each recorded stacked state is swapped for its two flows' rows, and the
         # layers go on from their concatenation.
-        recorded = (_active_collector.get() or {}).get("hidden_states") if aux_positions is not None else None
+        recorded = recorded_outputs().get("hidden_states") if aux_positions is not None else None
         first_input = hidden_states
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             entering = hidden_states[:, aux_positions] if extra_rounds else None
@@ -792,9 +891,12 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 hidden_states,
                 num_primary=num_primary,
                 aux_positions=aux_positions,
-                attention_mask=grouped_mask,
+                attention_mask=primary_mask,
                 position_embeddings=position_embeddings,
-                is_causal=is_causal,
+                aux_attention_mask=aux_masks[0],
+                aux_is_causal=aux_masks[1],
+                aux_as_query_heads=aux_as_query_heads,
+                position_ids=position_ids,
                 cache=cache,
                 aux_top_k=aux_top_k,
                 **kwargs,
@@ -813,7 +915,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 first_round,
                 extra_rounds,
                 aux_positions,
-                grouped_mask,
+                aux_masks,
                 position_embeddings,
                 num_primary,
                 aux_top_k,
@@ -967,9 +1069,10 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         device = (input_ids if input_ids is not None else inputs_embeds).device
         keep_positions = positions_to_keep(logits_to_keep, seq_len, device)
         keep_all = keeps_every_position(logits_to_keep, seq_len)
-        aux_positions = keep_positions
+        training_positions = None  # where a training forward runs the aux flow with aux_train_fraction < 1
         if use_aux_flow and labels is not None and keep_all and self.training and self.config.aux_train_fraction < 1:
-            aux_positions = self._aux_training_positions(seq_len, device)
+            training_positions = self._aux_training_positions(seq_len, device)
+        aux_positions = logits_to_keep if training_positions is None else training_positions
 
         outputs: DualFlowModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -991,7 +1094,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         if not keep_all:
             # `.to`: under a device_map the last layer may sit on another device than the inputs.
             primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
-        if use_aux_flow and aux_positions is keep_positions:
+        if use_aux_flow and training_positions is None:
             all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
             primary_logits, logits = all_logits.split(primary_rows.shape[0], dim=0)
         elif use_aux_flow:  # training at a fraction of the positions: fewer aux rows than primary ones
@@ -1005,16 +1108,20 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
                 raise ValueError("labels need logits at every position: leave logits_to_keep at 0")
             loss = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
             if use_aux_flow:
-                if aux_positions is keep_positions:
+                if training_positions is None:
                     aux_ce = self.loss_function(logits, labels, self.vocab_size, **kwargs)
                 else:
-                    aux_ce = self._aux_training_loss(logits, labels, aux_positions, **kwargs)
+                    aux_ce = self._aux_training_loss(logits, labels, training_positions, **kwargs)
                 loss = aux_ce + self.config.primary_loss_weight * loss
 
         aux_loss = None
         if output_router_logits and outputs.router_logits:
             aux_loss = self._router_balance_loss(
-                outputs, attention_mask, seq_len, aux_positions, aux_num_experts_per_tok
+                outputs,
+                attention_mask,
+                seq_len,
+                keep_positions if training_positions is None else training_positions,
+                aux_num_experts_per_tok,
             )
             if loss is not None:
                 balance_loss = self.config.router_aux_loss_coef * aux_loss.to(loss.device)
@@ -1068,7 +1175,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         num_experts = self.config.num_experts
         aux_top_k = self.config.aux_num_experts_per_tok if aux_top_k is None else aux_top_k
         # A 2-D mask covers past + new tokens; its last seq_len columns are this call's positions.
-        mask = attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        two_dims = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+        mask = attention_mask[:, -seq_len:] if two_dims else None
         loss = load_balancing_loss_func(outputs.router_logits, num_experts, self.config.num_experts_per_tok, mask)
         if outputs.aux_router_logits is not None:
             aux_mask = mask[:, keep_positions] if mask is not None else None

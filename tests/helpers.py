@@ -7,6 +7,7 @@ sources, and in-process runners of the `dualflow` CLI.
 import contextlib
 import inspect
 import io
+import re
 import warnings
 from pathlib import Path
 
@@ -260,3 +261,21 @@ def run_finetune(*argv) -> int:
         status = dualflow_main(["finetune", *map(str, argv)])
     assert [str(warning.message) for warning in caught] == []
     return status
+
+
+# Documentation pages
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"^(?:<!-- not run: (?P<reason>.+?) -->\n)?```(?P<language>\S*)\n(?P<code>.*?)^```$", re.M | re.S)
+
+
+def code_blocks(page: Path) -> list[dict]:
+    return [match.groupdict() for match in BLOCK.finditer(page.read_text())]
+
+
+def runnable_blocks(page: Path) -> list[dict]:
+    return [block for block in code_blocks(page) if block["reason"] is None]
+
+
+def valid_rows(attention_mask):
+    return attention_mask.bool()  # compare logits only at real (non-padding) positions

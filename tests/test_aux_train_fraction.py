@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 
 
 def fraction_model(fraction=0.25, positions="random", **overrides):

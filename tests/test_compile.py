@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch._dynamo
 from helpers import tiny_model
-from transformers import AttentionInterface, CompileConfig, StaticCache
+from transformers import AttentionInterface, CompileConfig, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from modeling_dualflow import DualFlowForCausalLM
 
@@ -85,24 +86,36 @@ def test_packed_batch_equals_separate_sequences(attn):
         torch.testing.assert_close(getattr(packed, field), separate, atol=1e-5, rtol=0)
 
 
-def test_custom_attention_function_sees_aux_query_rows():
+def test_custom_attention_function_sees_plain_causal_calls():
     """
-    A function registered with transformers' AttentionInterface is called (and gives sdpa's results), but with the aux
-    rows among the queries: T + P query rows against T key rows. Serving engines' attention backends assume one query
-    row per key row they cache, so `_supports_attention_backend` stays False (engines use dualflow.serving).
+    A function registered with transformers' AttentionInterface is called (and gives sdpa's results) with plain causal
+    attention and no mask beyond T x T rows: aux rows at the primary positions (every position, decode) as 4 more query
+    heads over the 2 key/value heads in one call per layer; aux rows at the last k positions in a second call of k rows.
+    Serving engines' attention backends assume the model's head count and one query row per key row they cache, so
+    `_supports_attention_backend` stays False (engines use dualflow.serving).
     """
     assert not DualFlowForCausalLM._supports_attention_backend
-    shapes = []
+    calls = []
 
     def recording_sdpa(module, query, key, value, attention_mask, **kwargs):
-        shapes.append((query.shape[2], key.shape[2]))
+        mask_rows = None if attention_mask is None else attention_mask.shape[2]
+        calls.append((query.shape[1], query.shape[2], key.shape[2], mask_rows))
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("dualflow_test_recording_sdpa", recording_sdpa)
+    AttentionMaskInterface.register("dualflow_test_recording_sdpa", sdpa_mask)  # else transformers builds no mask
     model = tiny_model(aux_num_experts_per_tok=3)
     input_ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(6))
-    expected = model(input_ids, logits_to_keep=2)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, 0] = 0
+    expected = [model(input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits for keep in (0, 2)]
     model.set_attn_implementation("dualflow_test_recording_sdpa")
-    actual = model(input_ids, logits_to_keep=2)
-    torch.testing.assert_close(actual.logits, expected.logits, atol=1e-6, rtol=0)
-    assert shapes == [(6 + 2, 6)] * model.config.num_hidden_layers
+    for keep, logits in zip((0, 2), expected):
+        torch.testing.assert_close(model(input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits, logits)
+    cache = DynamicCache()
+    model(input_ids[:, :5], attention_mask=attention_mask[:, :5], past_key_values=cache, logits_to_keep=1)
+    model(input_ids[:, 5:], attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)
+    every_position, last_two = [(8, 6, 6, 6)], [(4, 6, 6, 6), (4, 2, 6, 2)]
+    prefill, decode = [(4, 5, 5, 5), (4, 1, 5, 1)], [(8, 1, 6, 1)]
+    num_layers = model.config.num_hidden_layers
+    assert calls == [call for forward in (every_position, last_two, prefill, decode) for call in forward * num_layers]

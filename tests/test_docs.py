@@ -5,26 +5,16 @@ above it.
 """
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, code_blocks, runnable_blocks
 
 
-ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
-BLOCK = re.compile(r"^(?:<!-- not run: (?P<reason>.+?) -->\n)?```(?P<language>\S*)\n(?P<code>.*?)^```$", re.M | re.S)
 TEST_COMMAND = "bash scripts/bootstrap.sh && .venv/bin/python -m pytest -q -p no:cacheprovider tests"
-
-
-def code_blocks(page: Path) -> list[dict]:
-    return [match.groupdict() for match in BLOCK.finditer(page.read_text())]
-
-
-def runnable_blocks(page: Path) -> list[dict]:
-    return [block for block in code_blocks(page) if block["reason"] is None]
 
 
 def test_every_block_runs_or_says_why_not():

@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import tiny_model
+from helpers import tiny_model
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from dualflow.convert import convert_checkpoint

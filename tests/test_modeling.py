@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import VARIANTS, enable_activation_checkpointing, left_padded_batch, tiny_config, tiny_model
+from helpers import VARIANTS, enable_activation_checkpointing, left_padded_batch, tiny_config, tiny_model, valid_rows
 from reference import two_pass_forward
 from transformers import (
     AutoConfig,
@@ -25,10 +25,6 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 import modeling_dualflow
 from dualflow.instruments.upcycle import qwen3_moe_config_of
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
-
-
-def valid_rows(attention_mask):
-    return attention_mask.bool()  # compare logits only at real (non-padding) positions
 
 
 class TestConfig:

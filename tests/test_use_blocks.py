@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from test_docs import ROOT
+from helpers import ROOT
 from transformers import ByT5Tokenizer, MixtralConfig, MixtralForCausalLM
 
 from dualflow.convert import convert_checkpoint

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_docs import ROOT, runnable_blocks
+from helpers import ROOT, runnable_blocks
 
 
 # Records Python warnings and transformers' / PEFT's log records of the code that follows, printed as JSON at the end.
