@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 import transformers.modeling_flash_attention_utils as flash_utils
 from helpers import left_padded_batch, tiny_model, valid_rows
+from reference import two_pass_forward
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.integrations.flex_attention import WrappedFlexAttention
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-from dualflow.instruments.reference import two_pass_forward
 from modeling_dualflow import DualFlowForCausalLM
 
 
