@@ -1,5 +1,5 @@
 """
-Design variants of the aux flow that `dualflow experiment --arms design` trains from scratch (issue 11 item 3). Each
+Design variants of the aux flow that `dualflow experiment --arms design` trains from scratch. Each
 changes one thing of a freshly initialised model before training. They live here, not in the model files: a variant
 becomes a `DualFlowConfig` field only once it wins (docs/results/README.md says which did).
 """
