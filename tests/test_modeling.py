@@ -25,6 +25,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 import modeling_dualflow
 from dualflow.instruments.upcycle import qwen3_moe_config_of
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD
 
 
 class TestConfig:
@@ -364,11 +365,14 @@ class TestGenerate:
         assisted = model.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=assistant)
         assert greedy.tolist() == lookup.tolist() == assisted.tolist()
 
-    def test_generate_uses_dualflow_cache_and_beam_search_runs(self):
+    def test_generate_uses_the_cache_transformers_prepares_and_beam_search_runs(self):
+        # generate prepares the base model's cache (public API only, docs/inference.md); a forward without one builds
+        # a DualFlowCache (TestKvBytes): both hold the primary keys/values only.
         model = tiny_model()
         prompt = torch.randint(0, 97, (2, 4))
         out = model.generate(prompt, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-        assert isinstance(out.past_key_values, DualFlowCache)
+        cache = getattr(out, CACHE_FIELD)
+        assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 4 + 3 - 1
         beams = model.generate(prompt, max_new_tokens=3, num_beams=3, do_sample=False)
         assert beams.shape == (2, 7)
 
