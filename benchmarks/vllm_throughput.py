@@ -97,11 +97,16 @@ def summarize(name: str, rates: dict, baseline: str, arms: list[str]) -> list[st
 
 def main():
     args = parse_args()
+    # The checkpoint (534 MB for the CPU preset, GBs for the GPU one) lives only as long as the run.
+    with tempfile.TemporaryDirectory(prefix="dualflow-vllm-bench-") as folder:
+        measure(args, Path(folder))
+
+
+def measure(args, folder: Path):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     preset = PRESETS[args.preset]
-    folder = Path(tempfile.mkdtemp(prefix="dualflow-vllm-bench-"))
     hf_model = save_random_checkpoint(preset, folder)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_model.to(device)
