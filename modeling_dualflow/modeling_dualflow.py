@@ -208,17 +208,17 @@ def route_two_top_k(
     router_probs: torch.Tensor, is_aux_row: torch.Tensor, top_k: int, aux_top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    The two-top-k routing rule of the shared router (DESIGN §5), the one both engines (this model and the vLLM model)
-    use: each row takes the top-k of its router probabilities for its own flow (k_p = `top_k` for primary rows,
-    k_a = `aux_top_k` for aux rows), weights renormalised over those k when `norm_topk_prob`.
+    The two-top-k routing rule of the shared router (DESIGN §5): each row takes the top-k of its router probabilities
+    for its own flow (k_p = `top_k` for primary rows, k_a = `aux_top_k` for aux rows), weights renormalised over those
+    k when `norm_topk_prob`.
 
-    Returned as one fan-out of k = max(k_p, k_a) slots for every row, so that an experts kernel with a single top-k
-    runs both flows in one call without splitting rows: a row's slots past its own k repeat its first expert at
-    weight 0 (a real index, which every kernel handles, and an expert the row reads anyway, so the padding streams no
-    new expert weights).
+    Returned as K = max(k_p, k_a) slots for every row: a row's slots past its own k repeat its first expert at weight 0
+    (a real index, which every kernel handles, and an expert the row reads anyway). How the slots reach the experts
+    kernel is the engine's layout: this model keeps k_p slots per row and cuts aux rows into chunks of k_p
+    (`DualFlowSparseMoeBlock._two_fanouts`), so prefill computes no padding slot.
 
     router_probs: (rows, num_experts), the softmax of the router logits; is_aux_row: (rows,) bool.
-    Returns weights (rows, k) in router_probs' dtype and expert indices (rows, k) int64.
+    Returns weights (rows, K) in router_probs' dtype and expert indices (rows, K) int64.
     """
     num_slots = max(top_k, aux_top_k)
     weights, indices = torch.topk(router_probs, num_slots, dim=-1)
@@ -267,10 +267,46 @@ class DualFlowSparseMoeBlock(nn.Module):
         is_aux_row = (torch.arange(num_rows, device=flat.device) >= num_primary).repeat(batch_size)
         _, router_probs = self.gate(flat)
         weights, indices = route_two_top_k(router_probs, is_aux_row, self.top_k, aux_top_k, self.gate.norm_topk_prob)
-        output = self.experts(flat, indices, weights.to(flat.dtype))
+        weights = weights.to(flat.dtype)
+        if aux_top_k == self.top_k:  # one fan-out for every row
+            output = self.experts(flat, indices, weights)
+        else:
+            output = self._two_fanouts(flat, weights, indices, batch_size, num_rows, num_primary)
         if hasattr(self, "shared_expert"):
             output = output + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return output.view(batch_size, num_rows, hidden_dim)
+
+    def _two_fanouts(self, flat, weights, indices, batch_size, num_rows, num_primary):
+        # The experts kernels take one top-k for all rows, so keep k_p: primary rows go in with their k_p slots (the
+        # rule's padding past k_p dropped), and each aux row is cut into ceil(K / k_p) chunks of k_p slots, the first
+        # in the row itself, the others in appended copies of it. Prefill thus pays no extra expert compute for k_a.
+        k_p, hidden_dim = self.top_k, flat.shape[-1]
+        num_aux, num_slots = num_rows - num_primary, weights.shape[-1]
+        chunks = -(-num_slots // k_p)
+        weights = weights.view(batch_size, num_rows, num_slots)
+        indices = indices.view(batch_size, num_rows, num_slots)
+        weights_a, indices_a = weights[:, num_primary:], indices[:, num_primary:]
+        padding = chunks * k_p - num_slots  # more slots at weight 0 on the row's first expert
+        if padding:
+            indices_a = torch.cat([indices_a, indices_a[..., :1].expand(-1, -1, padding)], dim=-1)
+            weights_a = F.pad(weights_a, (0, padding))
+        indices_a = indices_a.reshape(batch_size, num_aux, chunks, k_p)
+        weights_a = weights_a.reshape(batch_size, num_aux, chunks, k_p)
+        row_indices = torch.cat([indices[:, :num_primary, :k_p], indices_a[:, :, 0]], dim=1).reshape(-1, k_p)
+        row_weights = torch.cat([weights[:, :num_primary, :k_p], weights_a[:, :, 0]], dim=1).reshape(-1, k_p)
+        if chunks == 1:
+            return self.experts(flat, row_indices, row_weights)
+        aux_rows = flat.view(batch_size, num_rows, hidden_dim)[:, num_primary:]
+        extra_rows = aux_rows.unsqueeze(2).expand(-1, -1, chunks - 1, -1).reshape(-1, hidden_dim)
+        output = self.experts(
+            torch.cat([flat, extra_rows]),
+            torch.cat([row_indices, indices_a[:, :, 1:].reshape(-1, k_p)]),
+            torch.cat([row_weights, weights_a[:, :, 1:].reshape(-1, k_p)]),
+        )
+        output, extra_output = output.split([flat.shape[0], extra_rows.shape[0]])
+        extra_output = extra_output.view(batch_size, num_aux, chunks - 1, hidden_dim).sum(dim=2)
+        output = output.view(batch_size, num_rows, hidden_dim)
+        return torch.cat([output[:, :num_primary], output[:, num_primary:] + extra_output], dim=1).view(-1, hidden_dim)
 
 
 class DualFlowCoupling(nn.Module):

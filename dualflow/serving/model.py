@@ -16,7 +16,6 @@ prefill then stays off, the aux metadata covers every row, and so does the aux f
 """
 
 from collections.abc import Iterable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +39,6 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.sequence import IntermediateTensors
-
-from modeling_dualflow.modeling_dualflow import route_two_top_k
 
 
 class DualFlowMLP(nn.Module):
@@ -72,28 +69,20 @@ class DualFlowMLP(nn.Module):
         return out
 
 
-def route_flagged_rows(hidden_states, gating_output, topk, renormalize, *, top_k: int, aux_top_k: int):
-    """
-    FusedMoE's routing function: `route_two_top_k`, the model file's rule, on [router logits | aux flag] rows
-    (`gating_output`: (rows, num_experts + 1), last column 1 on aux rows), so the call needs no state outside its
-    inputs. `topk` = max(k_p, k_a) slots per row.
-    """
-    router_probs = F.softmax(gating_output[:, :-1], dim=-1, dtype=torch.float32)
-    return route_two_top_k(router_probs, gating_output[:, -1] > 0, top_k, aux_top_k, renormalize)
-
-
 class DualFlowSparseMoeBlock(nn.Module):
     """
-    Shared router and experts for both flows, one experts call per layer. FusedMoE takes one top-k: it is built with
-    max(k_p, k_a) slots, and `route_two_top_k` gives each row its own flow's top-k, padding the rest with weight-0
-    slots on an expert the row already reads.
+    Shared router and experts for both flows, one experts call per layer. FusedMoE takes one top-k, so it is built
+    with k_p: primary rows route as in the base model, and each aux row is cut into ceil(k_a / k_p) rows of k_p
+    (expert, weight) slots (the row plus copies of it appended at the end), slots left over pointing at a real expert
+    with weight 0. The routing function reads the row layout of the current call from `self.rows`.
     """
 
     def __init__(self, config, quant_config, prefix: str = ""):
         super().__init__()
-        top_k, aux_top_k = config.num_experts_per_tok, config.aux_num_experts_per_tok
-        if not config.use_aux_flow:
-            aux_top_k = top_k
+        self.top_k = config.num_experts_per_tok
+        self.aux_top_k = config.aux_num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.rows = (0, 0, 1)  # (primary rows, aux rows, chunks per aux row) of the call in progress
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, prefix=f"{prefix}.gate")
         self.shared_expert = None
         if config.shared_expert_intermediate_size > 0:
@@ -105,21 +94,52 @@ class DualFlowSparseMoeBlock(nn.Module):
             )
         self.experts = FusedMoEFactory(
             num_experts=config.num_experts,
-            top_k=max(top_k, aux_top_k),
+            top_k=self.top_k,
             hidden_size=config.hidden_size,
             intermediate_size=config.moe_intermediate_size,
             renormalize=config.norm_topk_prob,
             quant_config=quant_config,
-            custom_routing_function=partial(route_flagged_rows, top_k=top_k, aux_top_k=aux_top_k),
+            custom_routing_function=self.route,
             prefix=f"{prefix}.experts",
         )
 
+    def _select(self, probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = torch.topk(probs, k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def route(self, hidden_states, gating_output, topk, renormalize):
+        num_primary, num_aux, chunks = self.rows
+        probs = F.softmax(gating_output, dim=-1, dtype=torch.float32)
+        weights, ids = self._select(probs, topk)  # every row as the primary flow routes it
+        if num_aux == 0 or self.aux_top_k == topk:
+            return weights, ids
+        weights_a, ids_a = self._select(probs[num_primary : num_primary + num_aux], self.aux_top_k)
+        padding = chunks * topk - self.aux_top_k
+        if padding:
+            ids_a = torch.cat([ids_a, ids_a[:, :1].expand(-1, padding)], dim=-1)
+            weights_a = F.pad(weights_a, (0, padding))
+        # (aux, chunks * k_p) -> chunk-major rows matching [aux rows; copy 1; copy 2; ...]
+        weights_a = weights_a.view(num_aux, chunks, topk).transpose(0, 1).reshape(-1, topk)
+        ids_a = ids_a.view(num_aux, chunks, topk).transpose(0, 1).reshape(-1, topk)
+        end = num_primary + chunks * num_aux  # rows past it: padding the MoE layer may add
+        return torch.cat([weights[:num_primary], weights_a, weights[end:]]), torch.cat(
+            [ids[:num_primary], ids_a, ids[end:]]
+        )
+
     def forward(self, hidden_states: torch.Tensor, num_primary: int) -> torch.Tensor:
-        # hidden_states: (T + P, hidden), the P aux rows after the T primary rows
-        router_logits, _ = self.gate(hidden_states)
-        is_aux_row = torch.zeros_like(router_logits[:, :1])
-        is_aux_row[num_primary:] = 1
-        out = self.experts(hidden_states=hidden_states, router_logits=torch.cat([router_logits, is_aux_row], dim=-1))
+        num_aux = hidden_states.shape[0] - num_primary
+        chunks = -(-self.aux_top_k // self.top_k) if num_aux else 1
+        rows = hidden_states
+        if chunks > 1:
+            rows = torch.cat([hidden_states, hidden_states[num_primary:].repeat(chunks - 1, 1)])
+        router_logits, _ = self.gate(rows)
+        self.rows = (num_primary, num_aux, chunks)
+        out = self.experts(hidden_states=rows, router_logits=router_logits)
+        if chunks > 1:
+            extra = out[hidden_states.shape[0] :].view(chunks - 1, num_aux, -1).sum(dim=0)
+            out = torch.cat([out[:num_primary], out[num_primary : hidden_states.shape[0]] + extra])
         if self.shared_expert is not None:
             gate, _ = self.shared_expert_gate(hidden_states)
             out = out + torch.sigmoid(gate) * self.shared_expert(hidden_states)

@@ -3,12 +3,8 @@ verified position is a sampled row, so the aux flow predicts there too and greed
 block routes by the model file's rule; settings the engine cannot serve are refused before it starts."""
 
 import pytest
-import torch
 from vllm import SamplingParams
 from vllm_reference import AUX_TOP_K, hf_greedy, load_reference, running_engine
-
-from dualflow.serving.model import route_flagged_rows
-from modeling_dualflow.modeling_dualflow import route_two_top_k
 
 
 MAX_NEW = 12
@@ -55,17 +51,3 @@ def test_head_size_the_cpu_attention_cannot_run_is_refused_before_the_engine_sta
     message = r"vLLM's CPU attention cannot run head_dim=16 \(supported: 32, 64"
     with pytest.raises(ValueError, match=message), running_engine(checkpoint, hf_overrides={"head_dim": 16}):
         pass
-
-
-@pytest.mark.parametrize("aux_top_k", [1, 2, 3, 4])
-def test_fused_moe_routing_is_the_model_files_rule(aux_top_k):
-    """The vLLM MoE block's routing function (logits with the aux flag as a last column) == `route_two_top_k`."""
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(9, 8, generator=generator)
-    is_aux_row = torch.arange(9) >= 6
-    flagged = torch.cat([logits, is_aux_row[:, None].float()], dim=-1)
-    slots = max(2, aux_top_k)
-    served = route_flagged_rows(None, flagged, slots, True, top_k=2, aux_top_k=aux_top_k)
-    expected = route_two_top_k(logits.softmax(-1), is_aux_row, 2, aux_top_k, True)
-    torch.testing.assert_close(served[0], expected[0])
-    assert torch.equal(served[1], expected[1])
