@@ -10,7 +10,10 @@ the table gives per-arm medians and the median of the per-round ratios with its 
     prefill: tokens/s of prompts of --prefill-lengths tokens, 1 generated token;
     decode: generated tokens/s for --decode-batches requests of --decode-prompt tokens, --decode-tokens each (wall
         time of the whole requests: the short prompts' prefill is in it, the same for every arm);
-    transformers: `generate` with the aux flow on (k_a = k_p), same prompts, one batch, against vLLM's aux engine.
+    transformers: `generate` with the aux flow on (k_a = k_p), same prompts, one batch, against vLLM's aux engine;
+    byte limit: per decode batch and aux arm, the distinct experts per layer and step of the primary rows and of the
+        primary + aux rows, and the decode ratio aux on / off that the bytes a step must stream allow
+        (`decode_byte_limit`). Long context: e.g. `--decode-prompt 4096 --decode-batches 16`.
 """
 
 import argparse
@@ -25,6 +28,7 @@ import torch
 
 from dualflow.instruments.probes import rotated, seconds
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
+from modeling_dualflow.modeling_dualflow import route_two_top_k
 
 
 PRESETS = {
@@ -36,6 +40,7 @@ PRESETS = {
     "cpu": dict(hidden=512, heads=8, kv_heads=2, experts=8, expert_size=1792, layers=4, vocab=32000, dtype="float32"),
 }
 TOP_K = 2
+AUX_ARMS = {"aux k_a=k_p": TOP_K, "aux k_a=2k_p": 2 * TOP_K}
 
 
 def parse_args():
@@ -63,7 +68,7 @@ def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
         num_key_value_heads=preset["kv_heads"],
         num_experts=preset["experts"],
         num_experts_per_tok=TOP_K,
-        max_position_embeddings=4096,
+        max_position_embeddings=16384,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
     model = DualFlowForCausalLM(config).to(getattr(torch, preset["dtype"])).eval()
@@ -72,6 +77,52 @@ def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
             layer.aux_coupling.weight.normal_(std=0.1)
     model.save_pretrained(folder)
     return model
+
+
+@torch.no_grad()
+def decode_byte_limit(model, sequences: torch.Tensor, prompt_length: int, aux_top_k: int) -> dict:
+    """
+    What a decode step of `sequences` (batch, prompt + new tokens; a step = one position across the batch) must stream
+    at the least, with the aux flow on and off: every non-expert weight (the aux embedding: one row per request), the
+    distinct experts its rows route to (by `route_two_top_k`, from transformers' router logits on the same
+    sequences) and the K/V of the context, read once. Medians over the steps and layers.
+    """
+    config = model.config
+    batch, length = sequences.shape
+    out = model(sequences, output_router_logits=True, aux_num_experts_per_tok=aux_top_k)
+    experts = model.model.layers[0].mlp.experts
+    expert_bytes = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.down_proj.element_size()
+    all_expert_bytes = expert_bytes * config.num_experts * config.num_hidden_layers
+    aux_only = {"model.aux_embed_tokens.weight"}
+    dense_bytes = (
+        sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in aux_only) - all_expert_bytes
+    )
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    kv_per_token *= experts.down_proj.element_size()
+    distinct = {"off": [], "on": []}
+    ratios = []
+    for step in range(prompt_length, length):
+        rows = torch.arange(batch) * length + step  # this step's row of each sequence
+        step_bytes = {}
+        for flow, with_aux in (("off", False), ("on", True)):
+            count = 0
+            for primary_logits, aux_logits in zip(out.router_logits, out.aux_router_logits):
+                logits = torch.cat([primary_logits[rows], aux_logits[rows]]) if with_aux else primary_logits[rows]
+                is_aux_row = torch.arange(len(logits)) >= batch
+                top_k = aux_top_k if with_aux else config.num_experts_per_tok
+                _, indices = route_two_top_k(
+                    logits.float().softmax(-1), is_aux_row, config.num_experts_per_tok, top_k, config.norm_topk_prob
+                )
+                count += indices.unique().numel()
+            distinct[flow].append(count / config.num_hidden_layers)
+            context = batch * (step + 1) * kv_per_token
+            step_bytes[flow] = dense_bytes + count * expert_bytes + context
+        ratios.append(step_bytes["off"] / step_bytes["on"])
+    return {
+        "primary experts": statistics.median(distinct["off"]),
+        "primary + aux experts": statistics.median(distinct["on"]),
+        "byte limit": statistics.median(ratios),
+    }
 
 
 def summarize(name: str, rates: dict, baseline: str, arms: list[str]) -> list[str]:
@@ -91,11 +142,16 @@ def summarize(name: str, rates: dict, baseline: str, arms: list[str]) -> list[st
 
 def main():
     args = parse_args()
+    # The checkpoint (534 MB for the CPU preset, GBs for the GPU one) lives only as long as the run.
+    with tempfile.TemporaryDirectory(prefix="dualflow-vllm-bench-") as folder:
+        measure(args, Path(folder))
+
+
+def measure(args, folder: Path):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
     preset = PRESETS[args.preset]
-    folder = Path(tempfile.mkdtemp(prefix="dualflow-vllm-bench-"))
     hf_model = save_random_checkpoint(preset, folder)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_model.to(device)
@@ -110,11 +166,8 @@ def main():
         skip_tokenizer_init=True,
         seed=0,
     )
-    overrides = {
-        "primary only": {"use_aux_flow": False},
-        "aux k_a=k_p": {"aux_num_experts_per_tok": TOP_K},
-        "aux k_a=2k_p": {"aux_num_experts_per_tok": 2 * TOP_K},
-    }
+    overrides = {"primary only": {"use_aux_flow": False}}
+    overrides.update({arm: {"aux_num_experts_per_tok": aux_top_k} for arm, aux_top_k in AUX_ARMS.items()})
     engines = {arm: LLM(hf_overrides=override, **engine_args) for arm, override in overrides.items()}
     arms = list(engines)
     generator = torch.Generator().manual_seed(1)
@@ -125,6 +178,10 @@ def main():
     def run_vllm(engine, batch, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         engine.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+
+    def byte_limits(size, aux_top_k):
+        sequences = torch.tensor(prompts(size, args.decode_prompt + args.decode_tokens), device=device)
+        return decode_byte_limit(hf_model, sequences, args.decode_prompt, aux_top_k)
 
     def run_hf(batch, max_tokens):
         ids = torch.tensor(batch, device=device)
@@ -167,6 +224,12 @@ def main():
     for size in args.decode_batches:
         label = f"decode, batch {size}"
         print("\n".join(summarize(label, decode[size], "primary only", arms)))
+        limits = {arm: byte_limits(size, aux_top_k) for arm, aux_top_k in AUX_ARMS.items()}
+        for arm, limit in limits.items():
+            print(
+                f"| {label}, byte limit | {arm} | experts/layer/step: primary {limit['primary experts']:.1f}, "
+                f"primary + aux {limit['primary + aux experts']:.1f} | {limit['byte limit']:.3f} |"
+            )
         vs_hf = {"transformers generate": decode[size]["transformers generate"], "vLLM": decode[size]["aux k_a=k_p"]}
         print("\n".join(summarize(f"decode, batch {size}, aux k_a=k_p", vs_hf, "transformers generate", list(vs_hf))))
     for engine in engines.values():

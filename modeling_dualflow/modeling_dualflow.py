@@ -292,8 +292,36 @@ class DualFlowExperts(Qwen3MoeExperts):
     """
 
 
+def route_two_top_k(
+    router_probs: torch.Tensor, is_aux_row: torch.Tensor, top_k: int, aux_top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    The two-top-k routing rule of the shared router (DESIGN §5): each row takes the top-k of its router probabilities
+    for its own flow (k_p = `top_k` for primary rows, k_a = `aux_top_k` for aux rows), weights renormalised over those
+    k when `norm_topk_prob`.
+
+    Returned as K = max(k_p, k_a) slots for every row: a row's slots past its own k repeat its first expert at weight 0
+    (a real index, which every kernel handles, and an expert the row reads anyway). How the slots reach the experts
+    kernel is the engine's layout: this model keeps k_p slots per row and cuts aux rows into chunks of k_p
+    (`DualFlowSparseMoeBlock._two_fanouts`), so prefill computes no padding slot.
+
+    router_probs: (rows, num_experts), the softmax of the router logits; is_aux_row: (rows,) bool.
+    Returns weights (rows, K) in router_probs' dtype and expert indices (rows, K) int64.
+    """
+    num_slots = max(top_k, aux_top_k)
+    weights, indices = torch.topk(router_probs, num_slots, dim=-1)
+    if top_k != aux_top_k:
+        row_top_k = torch.where(is_aux_row, aux_top_k, top_k)  # (rows,)
+        used = torch.arange(num_slots, device=router_probs.device) < row_top_k[:, None]  # (rows, k)
+        weights = weights * used
+        indices = torch.where(used, indices, indices[:, :1])
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, indices
+
+
 class DualFlowRouter(nn.Module):
-    """Router shared by both flows: `forward` scores every expert, each flow then picks its own top-k with `select`."""
+    """Router shared by both flows: `forward` scores every expert, `route_two_top_k` gives each flow its own top-k."""
 
     def __init__(self, config: DualFlowConfig):
         super().__init__()
@@ -307,12 +335,6 @@ class DualFlowRouter(nn.Module):
         router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
         return router_logits, router_probs
 
-    def select(self, router_probs: torch.Tensor, top_k: int, dtype: torch.dtype):
-        weights, indices = torch.topk(router_probs, top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(dtype), indices
-
 
 class DualFlowSparseMoeBlock(nn.Module):
     def __init__(self, config: DualFlowConfig):
@@ -325,44 +347,49 @@ class DualFlowSparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, num_primary: int, aux_top_k: int) -> torch.Tensor:
+        # hidden_states: (batch, T + P, hidden), the P aux rows after the T primary rows of each sequence
         batch_size, num_rows, hidden_dim = hidden_states.shape
         flat = hidden_states.reshape(-1, hidden_dim)
+        if num_rows == num_primary:  # primary rows only: k_p slots, no padding
+            aux_top_k = self.top_k
+        is_aux_row = (torch.arange(num_rows, device=flat.device) >= num_primary).repeat(batch_size)
         _, router_probs = self.gate(flat)
-        if num_rows == num_primary or aux_top_k == self.top_k:  # one fan-out for every row
-            weights, indices = self.gate.select(router_probs, self.top_k, flat.dtype)
+        weights, indices = route_two_top_k(router_probs, is_aux_row, self.top_k, aux_top_k, self.gate.norm_topk_prob)
+        weights = weights.to(flat.dtype)
+        if aux_top_k == self.top_k:  # one fan-out for every row
             output = self.experts(flat, indices, weights)
         else:
-            output = self._route_two_fanouts(flat, router_probs, batch_size, num_rows, num_primary, aux_top_k)
+            output = self._two_fanouts(flat, weights, indices, batch_size, num_rows, num_primary)
         if hasattr(self, "shared_expert"):
             output = output + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return output.view(batch_size, num_rows, hidden_dim)
 
-    def _route_two_fanouts(self, flat, router_probs, batch_size, num_rows, num_primary, aux_top_k):
-        # The experts kernels take one top-k for all rows, so keep k_p: primary rows go in exactly as they are, and each
-        # aux row is cut into ceil(k_a / k_p) chunks of k_p (expert, weight) slots, the first in the row itself, the
-        # others in appended copies of it. Slots left over repeat the row's first expert with weight 0 (a real index:
-        # the kernels mishandle a "no expert" one). Prefill thus pays no extra expert compute for the aux flow's k_a.
+    def _two_fanouts(self, flat, weights, indices, batch_size, num_rows, num_primary):
+        # The experts kernels take one top-k for all rows, so keep k_p: primary rows go in with their k_p slots (the
+        # rule's padding past k_p dropped), and each aux row is cut into ceil(K / k_p) chunks of k_p slots, the first
+        # in the row itself, the others in appended copies of it. Prefill thus pays no extra expert compute for k_a.
         k_p, hidden_dim = self.top_k, flat.shape[-1]
-        num_aux, chunks = num_rows - num_primary, -(-aux_top_k // k_p)
-        probs = router_probs.view(batch_size, num_rows, -1)
-        weights_p, indices_p = self.gate.select(probs[:, :num_primary], k_p, flat.dtype)  # (batch, T, k_p)
-        weights_a, indices_a = self.gate.select(probs[:, num_primary:], aux_top_k, flat.dtype)  # (batch, P, k_a)
-        padding = chunks * k_p - aux_top_k
+        num_aux, num_slots = num_rows - num_primary, weights.shape[-1]
+        chunks = -(-num_slots // k_p)
+        weights = weights.view(batch_size, num_rows, num_slots)
+        indices = indices.view(batch_size, num_rows, num_slots)
+        weights_a, indices_a = weights[:, num_primary:], indices[:, num_primary:]
+        padding = chunks * k_p - num_slots  # more slots at weight 0 on the row's first expert
         if padding:
             indices_a = torch.cat([indices_a, indices_a[..., :1].expand(-1, -1, padding)], dim=-1)
             weights_a = F.pad(weights_a, (0, padding))
-        indices_a = indices_a.view(batch_size, num_aux, chunks, k_p)
-        weights_a = weights_a.view(batch_size, num_aux, chunks, k_p)
-        indices = torch.cat([indices_p, indices_a[:, :, 0]], dim=1).view(-1, k_p)
-        weights = torch.cat([weights_p, weights_a[:, :, 0]], dim=1).view(-1, k_p)
+        indices_a = indices_a.reshape(batch_size, num_aux, chunks, k_p)
+        weights_a = weights_a.reshape(batch_size, num_aux, chunks, k_p)
+        row_indices = torch.cat([indices[:, :num_primary, :k_p], indices_a[:, :, 0]], dim=1).reshape(-1, k_p)
+        row_weights = torch.cat([weights[:, :num_primary, :k_p], weights_a[:, :, 0]], dim=1).reshape(-1, k_p)
         if chunks == 1:
-            return self.experts(flat, indices, weights)
+            return self.experts(flat, row_indices, row_weights)
         aux_rows = flat.view(batch_size, num_rows, hidden_dim)[:, num_primary:]
         extra_rows = aux_rows.unsqueeze(2).expand(-1, -1, chunks - 1, -1).reshape(-1, hidden_dim)
         output = self.experts(
             torch.cat([flat, extra_rows]),
-            torch.cat([indices, indices_a[:, :, 1:].reshape(-1, k_p)]),
-            torch.cat([weights, weights_a[:, :, 1:].reshape(-1, k_p)]),
+            torch.cat([row_indices, indices_a[:, :, 1:].reshape(-1, k_p)]),
+            torch.cat([row_weights, weights_a[:, :, 1:].reshape(-1, k_p)]),
         )
         output, extra_output = output.split([flat.shape[0], extra_rows.shape[0]])
         extra_output = extra_output.view(batch_size, num_aux, chunks - 1, hidden_dim).sum(dim=2)

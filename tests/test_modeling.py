@@ -25,7 +25,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 import modeling_dualflow
 from dualflow.instruments.upcycle import qwen3_moe_config_of
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
-from modeling_dualflow.modeling_dualflow import CACHE_FIELD
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD, route_two_top_k
 
 
 class TestConfig:
@@ -201,6 +201,50 @@ class TestGroupedEqualsReference:
         primary, aux = two_pass_forward(model, input_ids, DynamicCache())
         torch.testing.assert_close(out.logits, aux, atol=1e-5, rtol=0)
         torch.testing.assert_close(out.primary_logits, primary, atol=1e-5, rtol=0)
+
+
+class TestRouteTwoTopK:
+    """The one two-top-k rule (`route_two_top_k`) both engines route with; tests/vllm checks the vLLM model uses it."""
+
+    @pytest.mark.parametrize("aux_top_k", [1, 2, 3, 4])
+    @pytest.mark.parametrize("norm_topk_prob", [True, False])
+    def test_each_row_gets_its_own_flows_top_k(self, aux_top_k, norm_topk_prob):
+        top_k, generator = 2, torch.Generator().manual_seed(0)
+        probs = torch.randn(12, 6, generator=generator).softmax(-1)
+        is_aux_row = torch.arange(12) % 3 == 0
+        weights, indices = route_two_top_k(probs, is_aux_row, top_k, aux_top_k, norm_topk_prob)
+        assert weights.shape == indices.shape == (12, max(top_k, aux_top_k))
+        for row, aux in enumerate(is_aux_row.tolist()):
+            k = aux_top_k if aux else top_k
+            expected_weights, expected_indices = torch.topk(probs[row], k)
+            if norm_topk_prob:
+                expected_weights = expected_weights / expected_weights.sum()
+            torch.testing.assert_close(weights[row, :k], expected_weights)
+            assert indices[row, :k].tolist() == expected_indices.tolist()
+            # padding slots: weight 0, the row's own first expert (streams no expert the row does not read anyway)
+            assert weights[row, k:].abs().sum() == 0
+            assert set(indices[row, k:].tolist()) <= {expected_indices[0].item()}
+
+    @pytest.mark.parametrize("aux_top_k", [1, 3, 4])
+    def test_moe_block_computes_the_rule(self, aux_top_k):
+        block = tiny_model(aux_num_experts_per_tok=aux_top_k).model.layers[0].mlp
+        experts, num_primary = block.experts, 5
+        hidden = torch.randn(2, 7, block.gate.weight.shape[1])  # 5 primary + 2 aux rows per sequence
+
+        def expert(index, x):
+            gate, up = F.linear(x, experts.gate_up_proj[index]).chunk(2)
+            return F.linear(experts.act_fn(gate) * up, experts.down_proj[index])
+
+        with torch.no_grad():
+            out = block(hidden, num_primary, aux_top_k).reshape(14, -1)
+            flat = hidden.reshape(14, -1)
+            is_aux_row = (torch.arange(7) >= num_primary).repeat(2)
+            probs = F.softmax(flat @ block.gate.weight.T, dim=-1)
+            weights, indices = route_two_top_k(probs, is_aux_row, 2, aux_top_k, norm_topk_prob=True)
+            expected = torch.stack(
+                [sum(w * expert(i, x) for w, i in zip(*slots)) for x, *slots in zip(flat, weights, indices.tolist())]
+            )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
 class TestPrimaryIsolation:

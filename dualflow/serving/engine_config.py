@@ -11,6 +11,22 @@ def checkpoint_field(vllm_config, name: str, default):
     return config_dict.get(name, default)
 
 
+def check_attention_head_size(head_dim: int) -> None:
+    """vLLM picks its CPU attention kernels without checking the head size: the first request would kill the engine."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    # Imported once the platform is known: the backend module loads vLLM's kernels for the detected instruction set.
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if not CPUAttentionBackend.supports_head_size(head_dim):
+        supported = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+        raise ValueError(
+            f"vLLM's CPU attention cannot run head_dim={head_dim} (supported: {supported}); serve this checkpoint on a GPU"
+        )
+
+
 def check_supported(config, vllm_config) -> None:
     """One-line errors for checkpoints and engine settings this model class does not serve."""
     if config.hidden_act != "silu":
@@ -19,6 +35,7 @@ def check_supported(config, vllm_config) -> None:
         raise ValueError(
             "Dual-Flow in vLLM: qk_norm='full' (OLMoE) needs the whole projection, use tensor_parallel_size=1"
         )
+    check_attention_head_size(config.head_dim)
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise ValueError("Dual-Flow in vLLM does not support pipeline parallelism")
     # A round count above the checkpoint's (hf_overrides) would run gates the checkpoint does not have.
@@ -41,17 +58,25 @@ def check_supported(config, vllm_config) -> None:
         )
 
 
+# Engine option (`hf_overrides`, not a checkpoint field): run the aux flow at every scheduled token, not only at the
+# rows vLLM samples from, so that prompt logprobs are the aux flow's predictions (transformers' forward logits), as
+# loglikelihood evaluation (`lm_eval --model vllm`) needs. Prefill then costs about twice the base model's.
+AUX_AT_EVERY_PROMPT_POSITION = "aux_at_every_prompt_position"
+
+
 class DualFlowEngineConfig(VerifyAndUpdateConfig):
     """
     vLLM calls this while it builds the engine configuration (in the calling process, after `hf_overrides`): refuse
     what the model cannot serve before any engine process starts, and turn on vLLM's KV-sharing fast prefill when the
     aux flow runs. The aux attention layers (KV-sharing layers built after all primary ones) then get attention
-    metadata for the sampled rows only, so prefill costs the base model plus one aux row per request.
+    metadata for the sampled rows only, so prefill costs the base model plus one aux row per request. With
+    `aux_at_every_prompt_position` fast prefill stays off: the aux layers get every row's metadata, and the model
+    runs the aux flow at every row.
     """
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
         config = vllm_config.model_config.hf_config
         check_supported(config, vllm_config)
-        if config.use_aux_flow:
+        if config.use_aux_flow and not getattr(config, AUX_AT_EVERY_PROMPT_POSITION, False):
             vllm_config.cache_config.kv_sharing_fast_prefill = True

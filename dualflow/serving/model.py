@@ -11,7 +11,8 @@ sampled rows, so prefill pays the base model plus one aux row per request.
 
 After the final norm the aux states replace the primary states at the sampled rows: `compute_logits`, the sampler and
 everything downstream then see the aux prediction there. Other rows (prompt logprobs) keep the primary flow's states,
-i.e. the base model's prediction.
+i.e. the base model's prediction, unless the engine runs with `aux_at_every_prompt_position` (engine_config.py): fast
+prefill then stays off, the aux metadata covers every row, and so does the aux flow.
 """
 
 from collections.abc import Iterable

@@ -1,5 +1,6 @@
 """`hf_overrides={"aux_num_experts_per_tok": k}` changes k_a without reconverting; under speculative decoding every
-verified position is a sampled row, so the aux flow predicts there too and greedy output stays transformers'."""
+verified position is a sampled row, so the aux flow predicts there too and greedy output stays transformers'. The MoE
+block routes by the model file's rule; settings the engine cannot serve are refused before it starts."""
 
 import pytest
 from vllm import SamplingParams
@@ -43,4 +44,10 @@ def test_bad_aux_top_k_is_refused_before_the_engine_starts(checkpoint):
         pytest.raises(ValueError, match=message),
         running_engine(checkpoint, hf_overrides={"aux_num_experts_per_tok": 9}),
     ):
+        pass
+
+
+def test_head_size_the_cpu_attention_cannot_run_is_refused_before_the_engine_starts(checkpoint):
+    message = r"vLLM's CPU attention cannot run head_dim=16 \(supported: 32, 64"
+    with pytest.raises(ValueError, match=message), running_engine(checkpoint, hf_overrides={"head_dim": 16}):
         pass

