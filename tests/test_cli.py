@@ -84,7 +84,7 @@ def test_tests_remove_their_remote_code_module_folder():
     assert folder.name.startswith("dualflow-hf-modules-") and not folder.exists()
 
 
-LIGHT_COMMANDS = ("convert", "finetune", "push", "demo", "compare")
+LIGHT_COMMANDS = ("convert", "finetune", "push", "demo", "compare", "experiment")
 
 
 def test_subcommand_help_and_argument_errors_without_heavy_imports():

@@ -5,11 +5,14 @@ how its training differs, so a new config field becomes an arm in one line), the
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-
-from modeling_dualflow import DualFlowConfig
+from typing import TYPE_CHECKING
 
 from ..errors import DualFlowUserError
-from .tiny_lm import TinyScale, tiny_moe_config
+from .scale import TinyScale
+
+
+if TYPE_CHECKING:
+    from modeling_dualflow import DualFlowConfig
 
 
 # The recipe of an independent prototype of the same equations, calibrated in docs/results/README.md: PyTorch's
@@ -75,7 +78,9 @@ class Arm:
         """The 2x-depth arm of its own size (the gain a share is measured against)."""
         return DEPTH_ARM + self.size_suffix
 
-    def model_config(self, scale: TinyScale) -> DualFlowConfig:
+    def model_config(self, scale: TinyScale) -> "DualFlowConfig":
+        from .tiny_lm import tiny_moe_config  # torch loads when an arm runs, not for `--help`
+
         config = dict(self.config)
         top_k = config.pop("num_experts_per_tok", 2)
         aux_top_k = config.pop("aux_num_experts_per_tok", top_k) if config.pop("use_aux_flow", False) else None

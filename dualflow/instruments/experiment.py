@@ -14,8 +14,6 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
-
 from ..errors import DualFlowUserError
 from .arms import ARM_GROUPS, ARMS, ARMS_BY_NAME, BASELINE, DEFAULT_SCALE, FLOPS_FORMULA, QUICK_SCALE, select_arms
 from .plots import plot_depth_share_vs_size, plot_frontier, plot_loss_curves, pyplot
@@ -31,7 +29,6 @@ from .report import (
     size_study,
     summarize,
 )
-from .runner import load_corpus, run_arms
 
 
 DEFAULT_SEEDS = 6
@@ -94,6 +91,10 @@ def run(args) -> int:
 
         return run_upcycle(args, scale, num_seeds, jobs)
     pyplot()  # fails now, not after every run has trained, when matplotlib (the `instruments` extra) is missing
+    import torch  # here, not at the top: `--help` and argument errors need no torch
+
+    from .runner import load_corpus, run_arms
+
     arms = select_arms(args.arms)
     out = Path(args.out)
     if out.exists() and not out.is_dir():

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from ..errors import DualFlowUserError
 from .arms import BASELINE, DESIGN_REFERENCE, FRACTION_REFERENCE, SIZE_STUDY, arm_costs
+from .scale import TinyScale
 from .stats import depth_gain_share, format_error, mean_and_error, paired_differences, ratio_and_error
 from .tables import text_table
-from .tiny_lm import TinyScale
 
 
 SCHEMA = "dualflow-experiment/2"

@@ -1,8 +1,6 @@
 """Tiny byte-level MoE language models trained from scratch: the built-in model of `dualflow compare` and the arms of
 `dualflow experiment`. A plain AdamW loop: at this size it is much faster than `Trainer` and easy to read."""
 
-from dataclasses import dataclass
-
 import torch
 from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
@@ -13,29 +11,7 @@ from modeling_dualflow.modeling_dualflow import DualFlowExperts, DualFlowRouter
 from ..scoring import next_token_nll
 from .aux_design import apply_aux_design
 from .data import BYTE_VOCAB_SIZE, random_batch
-
-
-@dataclass(frozen=True)
-class TinyScale:
-    """Model and training sizes of the tiny runs."""
-
-    hidden_size: int = 64
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    num_experts: int = 8
-    moe_intermediate_size: int = 64
-    block_size: int = 128
-    batch_size: int = 16
-    steps: int = 400
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
-    eval_blocks: int = 64
-    weight_decay: float = 0.1
-    adam_beta2: float = 0.95
-    router_aux_loss_coef: float = 0.001
-    # "model": the model's own init (normal with `initializer_range`); "torch": PyTorch's layer defaults.
-    init: str = "model"
+from .scale import TinyScale
 
 
 def tiny_moe_config(
