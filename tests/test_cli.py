@@ -2,8 +2,10 @@
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -139,3 +141,22 @@ def test_experiment_checks_matplotlib_before_training(tmp_path):
         "(or pip install matplotlib)"
     ]
     assert not out.exists()  # nothing trained, nothing written
+
+
+def test_ctrl_c_of_a_parallel_experiment_is_one_line(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: the workers stay quiet, the command ends in one line."""
+    command = [sys.executable, "-m", "dualflow.cli", "experiment", "--quick", "--seeds", "1", "--jobs", "2"]
+    command += ["--arms", "single k2", "dual kp2 ka4", "--out", str(tmp_path / "runs")]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    deadline = time.monotonic() + 300
+    while len(children.read_text().split()) < 2:  # both workers of the pool are up
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    time.sleep(1)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == "dualflow experiment: interrupted"
