@@ -140,16 +140,20 @@ class DualFlowAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
-        # Qwen3 normalises each head, OLMoE the whole projection.
+        # Qwen3 normalises each head, OLMoE the whole projection, the others neither.
         if config.qk_norm == "per_head":
             self.q_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         elif config.qk_norm == "full":
             self.q_norm = DualFlowRMSNorm(q_dim, eps=config.rms_norm_eps)
             self.k_norm = DualFlowRMSNorm(kv_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         if config.aux_adapter_rank:
             self.aux_q_adapter = DualFlowAuxAdapter(config.hidden_size, q_dim, config.aux_adapter_rank)
             self.aux_o_adapter = DualFlowAuxAdapter(q_dim, config.hidden_size, config.aux_adapter_rank)
+        else:
+            self.aux_q_adapter = self.aux_o_adapter = None
 
     def _project(self, hidden_states, proj, norm, num_primary=0, aux_adapter=None):
         states = add_to_aux_rows(proj(hidden_states), hidden_states, aux_adapter, num_primary)
@@ -186,16 +190,13 @@ class DualFlowAttention(nn.Module):
         cached. `position_ids` go to the calls whose query rows are the primary positions (flash finds packed sequences
         from them).
         """
-        q_norm, k_norm = getattr(self, "q_norm", None), getattr(self, "k_norm", None)
-        query_states = self._project(
-            hidden_states, self.q_proj, q_norm, num_primary, getattr(self, "aux_q_adapter", None)
-        )
+        query_states = self._project(hidden_states, self.q_proj, self.q_norm, num_primary, self.aux_q_adapter)
         cos, sin = position_embeddings
         query_states = apply_rotary(query_states, cos, sin)
 
         if primary_key_values is None:
             primary = hidden_states[:, :num_primary]
-            key_states = self._project(primary, self.k_proj, k_norm)
+            key_states = self._project(primary, self.k_proj, self.k_norm)
             value_states = self._project(primary, self.v_proj, None)
             key_states = apply_rotary(key_states, cos[:, :num_primary], sin[:, :num_primary])
             if cache is not None:
@@ -258,9 +259,7 @@ class DualFlowAttention(nn.Module):
             # (primary, aux) weights, each as the call returned it: split_rows keeps such pairs as they are
             attn_weights = None if primary_weights is None else (primary_weights, aux_weights)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-        attn_output = add_to_aux_rows(
-            self.o_proj(attn_output), attn_output, getattr(self, "aux_o_adapter", None), num_primary
-        )
+        attn_output = add_to_aux_rows(self.o_proj(attn_output), attn_output, self.aux_o_adapter, num_primary)
         return attn_output, attn_weights, (key_states, value_states)
 
 
@@ -280,7 +279,13 @@ class AuxQueryHeads:
 
 
 class DualFlowMLP(Qwen2MoeMLP):
-    """Gated MLP: the dense layers' MLP and the Qwen2-MoE shared expert (transformers' Qwen2-MoE MLP, unchanged)."""
+    """
+    Gated MLP: the dense layers' MLP and the Qwen2-MoE shared expert (transformers' Qwen2-MoE MLP). It takes the MoE
+    block's arguments too (and needs neither), so a decoder layer calls its MLP one way whatever the layer holds.
+    """
+
+    def forward(self, hidden_states: torch.Tensor, num_primary: int | None = None, aux_top_k: int | None = None):
+        return super().forward(hidden_states)
 
 
 @use_experts_implementation
@@ -345,6 +350,8 @@ class DualFlowSparseMoeBlock(nn.Module):
         if config.shared_expert_intermediate_size > 0:
             self.shared_expert = DualFlowMLP(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, hidden_states: torch.Tensor, num_primary: int, aux_top_k: int) -> torch.Tensor:
         # hidden_states: (batch, T + P, hidden), the P aux rows after the T primary rows of each sequence
@@ -360,7 +367,7 @@ class DualFlowSparseMoeBlock(nn.Module):
             output = self.experts(flat, indices, weights)
         else:
             output = self._two_fanouts(flat, weights, indices, batch_size, num_rows, num_primary)
-        if hasattr(self, "shared_expert"):
+        if self.shared_expert is not None:
             output = output + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return output.view(batch_size, num_rows, hidden_dim)
 
@@ -397,33 +404,23 @@ class DualFlowSparseMoeBlock(nn.Module):
         return torch.cat([output[:, :num_primary], output[:, num_primary:] + extra_output], dim=1).view(-1, hidden_dim)
 
 
-class DualFlowCoupling(nn.Module):
+class DualFlowGain(nn.Module):
     """
-    c_l: per-channel gain with which the aux flow adds the primary state entering the layer (0 at upcycling). A module
-    rather than a bare parameter so that PEFT's `modules_to_save` can train and save it like the aux embedding.
+    A per-channel gain, initialised to `init_value`. Two per layer, both aux-flow parameters: `aux_coupling` (c_l) scales the
+    primary state entering the layer that the aux flow adds (0 at upcycling), `aux_round_gate` (models with
+    `aux_num_rounds` > 1) the layer's residual update in the aux rounds after the first (set to
+    `aux_round_gate_init` at init: 1 for a new model with several rounds, 0, the identity, where a converted model must
+    keep computing as its source). A module rather than a bare parameter so that PEFT's `modules_to_save` can train and
+    save it like the aux embedding.
     """
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, init_value: float = 0.0):
         super().__init__()
+        self.init_value = init_value
         self.weight = nn.Parameter(torch.zeros(hidden_size))
 
-    def forward(self, primary_states: torch.Tensor) -> torch.Tensor:
-        return self.weight * primary_states
-
-
-class DualFlowRoundGate(nn.Module):
-    """
-    Per-channel gain on a layer's residual update in the aux rounds after the first (`aux_num_rounds` > 1). Starts at
-    `aux_round_gate_init` (1 for a model built with several rounds; 0, the identity, where a converted model must keep
-    computing as its source).
-    """
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-
-    def forward(self, update: torch.Tensor) -> torch.Tensor:
-        return self.weight * update
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        return self.weight * states
 
 
 class DualFlowDecoderLayer(GradientCheckpointingLayer):
@@ -436,11 +433,15 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
             self.mlp = DualFlowMLP(config, config.intermediate_size)
         self.input_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.aux_coupling = DualFlowCoupling(config.hidden_size)
-        if config.aux_num_rounds > 1:
-            self.aux_round_gate = DualFlowRoundGate(config.hidden_size)
-        if config.aux_adapter_rank:
-            self.aux_mlp_adapter = DualFlowAuxAdapter(config.hidden_size, config.hidden_size, config.aux_adapter_rank)
+        self.aux_coupling = DualFlowGain(config.hidden_size)
+        self.aux_round_gate = (
+            DualFlowGain(config.hidden_size, config.aux_round_gate_init) if config.aux_num_rounds > 1 else None
+        )
+        self.aux_mlp_adapter = (
+            DualFlowAuxAdapter(config.hidden_size, config.hidden_size, config.aux_adapter_rank)
+            if config.aux_adapter_rank
+            else None
+        )
 
     def forward(
         self,
@@ -495,13 +496,8 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         mlp_input = self.post_attention_layernorm(hidden_states)
-        if isinstance(self.mlp, DualFlowSparseMoeBlock):
-            hidden_states = self.mlp(mlp_input, num_primary, aux_top_k)
-        else:
-            hidden_states = self.mlp(mlp_input)
-        hidden_states = residual + add_to_aux_rows(
-            hidden_states, mlp_input, getattr(self, "aux_mlp_adapter", None), num_primary
-        )
+        hidden_states = self.mlp(mlp_input, num_primary, aux_top_k)
+        hidden_states = residual + add_to_aux_rows(hidden_states, mlp_input, self.aux_mlp_adapter, num_primary)
         if extra_round:
             hidden_states = layer_input + self.aux_round_gate(hidden_states - layer_input)
         return hidden_states, *key_values
@@ -614,10 +610,8 @@ class DualFlowPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
         elif isinstance(module, DualFlowRouter):
             init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, DualFlowCoupling):
-            init.zeros_(module.weight)
-        elif isinstance(module, DualFlowRoundGate):
-            init.constant_(module.weight, self.config.aux_round_gate_init)
+        elif isinstance(module, DualFlowGain):
+            init.constant_(module.weight, module.init_value)
         elif module is getattr(self, "aux_embed_tokens", None) and self.config.aux_embed_init == "copy":
             # `self` is the DualFlowModel here; its primary embedding, registered first, already holds its values
             init.copy_(module.weight, self.embed_tokens.weight)
@@ -1024,7 +1018,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         self.model.aux_embed_tokens.weight.copy_(self.model.embed_tokens.weight)
         for layer in self.model.layers:
             layer.aux_coupling.weight.zero_()
-            if hasattr(layer, "aux_round_gate"):
+            if layer.aux_round_gate is not None:
                 layer.aux_round_gate.weight.zero_()
             for adapter in (module for module in layer.modules() if isinstance(module, DualFlowAuxAdapter)):
                 adapter.up.zero_()  # `down` keeps its random draw, or the adapter could never learn

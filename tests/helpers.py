@@ -73,7 +73,7 @@ def tiny_model(seed: int = 0, random_coupling: bool = True, attn_implementation:
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.aux_coupling.weight.normal_(std=0.5)
-                if hasattr(layer, "aux_round_gate"):
+                if layer.aux_round_gate is not None:
                     layer.aux_round_gate.weight.normal_(mean=0.5, std=0.5)
             for name, parameter in model.named_parameters():
                 if name.endswith("_adapter.up"):

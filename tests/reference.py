@@ -24,7 +24,7 @@ def _moe_row(block, x, top_k):
     if block.gate.norm_topk_prob:
         weights = weights / weights.sum()
     out = sum(w.to(x.dtype) * _expert(block.experts, int(i), x) for w, i in zip(weights, indices))
-    if hasattr(block, "shared_expert"):
+    if block.shared_expert is not None:
         out = out + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     return out
 
@@ -71,7 +71,7 @@ def aux_pass(
         aux_states = aux_states + layer.aux_coupling.weight * entering_states[layer_idx][:, aux_positions]
         normed = layer.input_layernorm(aux_states)
         query = apply_rotary(
-            attn._project(normed, plus_adapter(attn.q_proj, attn, "aux_q_adapter"), getattr(attn, "q_norm", None)),
+            attn._project(normed, plus_adapter(attn.q_proj, attn, "aux_q_adapter"), attn.q_norm),
             cos,
             sin,
         )
@@ -98,7 +98,7 @@ def aux_pass(
             mlp_out = torch.stack([torch.stack([_moe_row(layer.mlp, x, aux_top_k) for x in row]) for row in normed])
         else:
             mlp_out = layer.mlp(normed)
-        if hasattr(layer, "aux_mlp_adapter"):
+        if layer.aux_mlp_adapter is not None:
             mlp_out = mlp_out + layer.aux_mlp_adapter(normed)
         return aux_states + mlp_out
 

@@ -655,3 +655,21 @@ def test_remote_code_files_import_only_libraries_and_each_other():
                 continue
             assert not set(roots) & {"dualflow", "convert", "model_cards", "modeling_dualflow"}, (name, roots)
     assert DualFlowForCausalLM.push_to_hub is PreTrainedModel.push_to_hub
+
+
+def test_each_layer_says_what_it_holds():
+    """Optional modules are None when the config has none of them (no hasattr probing), present otherwise."""
+    plain = tiny_model(num_experts=0)
+    layer = plain.model.layers[0]
+    assert layer.self_attn.q_norm is None and layer.self_attn.k_norm is None
+    assert layer.self_attn.aux_q_adapter is None and layer.aux_mlp_adapter is None and layer.aux_round_gate is None
+    assert tiny_model().model.layers[0].mlp.shared_expert is None
+    full = tiny_model(
+        qk_norm="full", aux_adapter_rank=2, aux_num_rounds=2, shared_expert_intermediate_size=8, norm_topk_prob=False
+    )
+    layer = full.model.layers[0]
+    assert isinstance(layer.self_attn.q_norm, torch.nn.Module) and isinstance(layer.aux_round_gate, torch.nn.Module)
+    assert isinstance(layer.aux_mlp_adapter, torch.nn.Module) and isinstance(layer.mlp.shared_expert, torch.nn.Module)
+    # the coupling and the round gate are one class with their own init values (0 and aux_round_gate_init)
+    assert type(layer.aux_coupling) is type(layer.aux_round_gate)
+    assert (layer.aux_coupling.init_value, layer.aux_round_gate.init_value) == (0.0, full.config.aux_round_gate_init)

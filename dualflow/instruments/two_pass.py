@@ -61,9 +61,7 @@ class TwoPassDualFlow(nn.Module):
             attention = layer.self_attn
             states = states + layer.aux_coupling(entering)
             normed = layer.input_layernorm(states)
-            queries = apply_rotary(
-                attention._project(normed, attention.q_proj, getattr(attention, "q_norm", None)), cos, sin
-            )
+            queries = apply_rotary(attention._project(normed, attention.q_proj, attention.q_norm), cos, sin)
             keys, values = cache.layers[attention.layer_idx].keys, cache.layers[attention.layer_idx].values
             # A sliding-window cache keeps only the last keys: they are the end of the sequence.
             key_positions = torch.arange(total - keys.shape[2], total, device=keys.device)
