@@ -43,8 +43,7 @@ fi
 # torch and transformers stay the ones vLLM pinned; this package and its other dependencies go in beside them, and
 # pytest and lm-eval for tests/vllm (lm-eval 0.4.13 changes neither pin).
 $py -m pip install -q --no-deps -e .
-$py - <<'PY' | xargs -d '
-' $py -m pip install -q "pytest>=8" "pytest-timeout>=2.3" "lm_eval==0.4.13"
+$py - <<'PY' | xargs -d '\n' $py -m pip install -q "pytest>=8" "pytest-timeout>=2.3" "lm_eval==0.4.13"
 from importlib.metadata import requires
 
 # The dependencies pip recorded for this package (Python 3.10 has no tomllib to read pyproject.toml), no extras.
