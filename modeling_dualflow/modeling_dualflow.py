@@ -48,8 +48,10 @@ CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ 
 
 # transformers has no public way to ask which outputs the running `capture_outputs` call records. Recorded hidden
 # states and attention weights must be tensors of the graph (`retain_grad` on them gets a gradient), which costs a
-# split per layer that only recording needs, so the model asks the private collector (the same in 5.19 .. 5.24). If a
-# later version renames it, the import fails softly: outputs are still recorded, as views of the stacked rows.
+# split per layer that only recording needs, so the model asks the private collector (the same in 5.19 .. 5.24) and,
+# with aux rows, swaps each recorded stacked hidden state in the collector's list for its two flows' rows
+# (`DualFlowModel._stacked_forward`). If a later version renames the collector, the import fails softly: outputs are
+# still recorded, as views of the stacked rows.
 try:
     from transformers.utils.output_capturing import _active_collector as _output_collector
 except ImportError:  # pragma: no cover - depends on the installed transformers
