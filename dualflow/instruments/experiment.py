@@ -53,16 +53,23 @@ def build_parser(prog: str = "dualflow experiment") -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, help=f"seeds per arm (default {DEFAULT_SEEDS}; --quick: 2)")
     parser.add_argument("--steps", type=int, help="training steps per arm (the 2x-tokens arm runs twice as many)")
     parser.add_argument(
+        "--continue-steps",
+        type=int,
+        help="upcycle: steps each recipe continues after conversion (default: half of --steps, the pretraining's)",
+    )
+    parser.add_argument(
         "--arms",
         nargs="+",
         metavar="ARM",
-        help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default). Arms: {', '.join(repr(n) for n in ARMS_BY_NAME)}",
+        help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default). Arms: {', '.join(repr(n) for n in ARMS_BY_NAME)}. "
+        "With --regime upcycle: recipes or groups (default, lr, fraction, all)",
     )
     parser.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the runs of --out/experiment.json (same scale and data) and train only the missing arm/seed runs",
+        help="keep the runs of --out/experiment.json (upcycle: upcycle.json) made with the same scale and data, and "
+        "train only the missing arm/seed runs",
     )
     parser.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: CPU count)")
     parser.add_argument(
@@ -86,6 +93,8 @@ def run(args) -> int:
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     if jobs < 1 or args.threads < 1:
         raise DualFlowUserError(f"--jobs and --threads must be >= 1, got {jobs} and {args.threads}")
+    if args.continue_steps is not None and args.regime != "upcycle":
+        raise DualFlowUserError("--continue-steps applies to --regime upcycle only")
     if args.regime == "upcycle":
         from .upcycle import run_upcycle  # imports the converter and PEFT, which the default regime does not need
 

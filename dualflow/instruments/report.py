@@ -205,7 +205,8 @@ def command_line(args) -> str:
     parts = ["dualflow", "experiment"] + (["--quick"] if args.quick else []) + (["--resume"] if args.resume else [])
     if args.regime != "scratch":
         parts += ["--regime", args.regime]
-    for flag, value in (("--seeds", args.seeds), ("--steps", args.steps), ("--jobs", args.jobs)):
+    options = (("--seeds", args.seeds), ("--steps", args.steps), ("--continue-steps", args.continue_steps))
+    for flag, value in options + (("--jobs", args.jobs),):
         if value is not None:
             parts += [flag, str(value)]
     for flag, values in (("--data", args.data), ("--arms", args.arms)):

@@ -4,13 +4,15 @@ Per seed: pretrain a single-flow MoE, save it as a transformers Qwen3-MoE checkp
 `convert_checkpoint` (k_a = k_p and k_a = 2 k_p), then continue every recipe for the same tokens on the same new
 batches: the single-flow model continued (what a user would otherwise do), dual full training, dual aux-only, and
 LoRA on the shared weights + the aux flow. Aux (prediction) and primary validation losses are paired by seed.
+`--arms` picks recipes or groups (default, lr, fraction, all); `--resume` trains only the recipe/seed runs an earlier
+report lacks, after checking that each seed's retrained base is the one it was paired with.
 """
 
 import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -43,7 +45,8 @@ class Recipe:
     """
     How to continue: `aux_factor` None = single flow, else k_a = aux_factor * k_p; `train` = all / aux / lora;
     `adapter_rank`: converted with aux adapters of that rank (`--aux-adapter-rank`). `lora_rank` None (with train =
-    lora): the rank whose trainable parameters match the aux-adapter recipe's.
+    lora): the rank whose trainable parameters match the aux-adapter recipe's. `learning_rate_factor` scales the
+    scale's learning rate; `aux_train_fraction` is the config field (dual training at a fraction of the positions).
     """
 
     name: str
@@ -51,9 +54,11 @@ class Recipe:
     train: str
     adapter_rank: int = 0
     lora_rank: int | None = 16
+    learning_rate_factor: float = 1.0
+    aux_train_fraction: float = 1.0
 
 
-RECIPES = (
+DEFAULT_RECIPES = (
     Recipe("single continued", None, "all"),
     # What a user could do with the aux adapters' parameter budget without Dual-Flow.
     Recipe("single lora, adapter budget", None, "lora", lora_rank=None),
@@ -65,8 +70,52 @@ RECIPES = (
     Recipe("dual lora+aux ka=2kp", 2, "lora"),
     Recipe("dual aux-only+adapters ka=kp", 1, "aux", ADAPTER_RANK),
     Recipe("dual aux-only+adapters ka=2kp", 2, "aux", ADAPTER_RANK),
+    # The same-rank row: LoRA r16 on the single flow, beside dual LoRA r16 + the aux flow.
+    Recipe("single lora r16", None, "lora"),
 )
-BASELINE = RECIPES[0].name
+# A small learning-rate sweep of the recipes that train few parameters, so none loses on an untuned rate.
+LEARNING_RATE_FACTORS = (1 / 3, 3.0)
+LEARNING_RATE_RECIPES = tuple(
+    Recipe(
+        f"{recipe.name} lr x{factor:.2g}",
+        recipe.aux_factor,
+        recipe.train,
+        recipe.adapter_rank,
+        recipe.lora_rank,
+        factor,
+    )
+    for recipe in DEFAULT_RECIPES
+    if recipe.name
+    in ("single lora r16", "dual lora+aux ka=2kp", "dual aux-only ka=2kp", "dual aux-only+adapters ka=2kp")
+    for factor in LEARNING_RATE_FACTORS
+)
+FRACTION_RECIPES = tuple(
+    Recipe(f"dual full ka=2kp f{fraction}", 2, "all", aux_train_fraction=fraction) for fraction in (0.5, 0.25)
+)
+RECIPES = DEFAULT_RECIPES + LEARNING_RATE_RECIPES + FRACTION_RECIPES
+RECIPES_BY_NAME = {recipe.name: recipe for recipe in RECIPES}
+RECIPE_GROUPS = {
+    "default": tuple(recipe.name for recipe in DEFAULT_RECIPES),
+    "lr": tuple(recipe.name for recipe in LEARNING_RATE_RECIPES),
+    "fraction": tuple(recipe.name for recipe in FRACTION_RECIPES),
+    "all": tuple(RECIPES_BY_NAME),
+}
+BASELINE = DEFAULT_RECIPES[0].name
+
+
+def select_recipes(names) -> list[Recipe]:
+    """The recipes and groups `names` ask for (default: the default group); the baseline always comes first."""
+    chosen = [BASELINE]
+    for name in names or ["default"]:
+        for member in RECIPE_GROUPS.get(name, (name,)):
+            if member not in RECIPES_BY_NAME:
+                raise DualFlowUserError(
+                    f"unknown upcycle recipe {member!r}; recipes: {', '.join(RECIPES_BY_NAME)}; "
+                    f"groups: {', '.join(RECIPE_GROUPS)}"
+                )
+            if member not in chosen:
+                chosen.append(member)
+    return [RECIPES_BY_NAME[name] for name in chosen]
 
 
 def adapter_budget_lora_rank(folder: Path) -> int:
@@ -118,7 +167,9 @@ def save_as_qwen3_moe(model: DualFlowForCausalLM, folder: Path) -> Path:
 
 def trainable_model(recipe: Recipe, folder: Path):
     """Load the converted checkpoint for `recipe` and leave exactly its parameters trainable."""
-    model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=recipe.aux_factor is not None)
+    dual = recipe.aux_factor is not None
+    overrides = {"aux_train_fraction": recipe.aux_train_fraction} if dual else {}
+    model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=dual, **overrides)
     if recipe.train == "lora":
         rank = recipe.lora_rank or adapter_budget_lora_rank(folder)
         return add_lora(model, r=rank, lora_alpha=2 * rank, train_aux_modules=recipe.aux_factor is not None)
@@ -162,12 +213,17 @@ def upcycle_seed(recipes, scale: TinyScale, continue_steps: int, seed: int, trai
         for recipe in recipes:
             model = trainable_model(recipe, converted[recipe.aux_factor or 1, recipe.adapter_rank])
             start, cpu_start = time.perf_counter(), time.process_time()
-            train_model(model, train_tokens, scale, seed + CONTINUE_SEED_OFFSET, continue_steps, show_progress=False)
+            recipe_scale = replace(scale, learning_rate=scale.learning_rate * recipe.learning_rate_factor)
+            train_model(
+                model, train_tokens, recipe_scale, seed + CONTINUE_SEED_OFFSET, continue_steps, show_progress=False
+            )
             train_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
             tokens = continue_steps * scale.batch_size * scale.block_size
             result[recipe.name] = {
                 "seed": seed,
                 "trainable_params": model.num_parameters(only_trainable=True),
+                "learning_rate": recipe_scale.learning_rate,
+                "aux_train_fraction": model.config.aux_train_fraction if recipe.aux_factor else None,
                 **({"lora_rank": model.peft_config["default"].r} if recipe.train == "lora" else {}),
                 # CPU seconds too: on a shared machine the wall clock also counts other processes' turns.
                 "tokens_per_s": tokens / train_s,
@@ -184,7 +240,7 @@ def summarize(recipes, per_seed: list[dict]) -> list[dict]:
     base_as_baseline = [{**run, "val_loss": run["primary_val_loss"]} for run in base_runs]
     summary = []
     for recipe in recipes:
-        runs = [result[recipe.name] for result in per_seed]
+        runs = [result[recipe.name] for result in per_seed if recipe.name in result]
         key = "aux_val_loss" if recipe.aux_factor else "primary_val_loss"
         entry = {"name": recipe.name, **asdict(recipe), "runs": runs}
         entry["trainable_params"] = runs[0]["trainable_params"]
@@ -224,35 +280,82 @@ def format_table(summary: list[dict], base: dict) -> str:
     return text_table(header, rows)
 
 
+def previous_upcycle(path: Path, scale: TinyScale, continue_steps: int, data: dict) -> tuple[dict, dict]:
+    """({seed: {"base": ..., recipe name: run}}, the report) of an earlier upcycle report made the same way."""
+    previous = json.loads(path.read_text())
+    same_data = all(previous["data"][key] == data[key] for key in ("source", "files", "val_tokens"))
+    same_steps = previous["continue_steps"] == continue_steps
+    if previous.get("schema") != SCHEMA or previous["scale"] != asdict(scale) or not same_data or not same_steps:
+        raise DualFlowUserError(
+            f"--resume: {path} was made with another scale, data, steps or schema; use another --out"
+        )
+    per_seed = {run["seed"]: {"base": run} for run in previous["base"]["runs"]}
+    for recipe in previous["recipes"]:
+        for run in recipe["runs"]:
+            per_seed[run["seed"]][recipe["name"]] = run
+    return per_seed, previous
+
+
+def merge_seed(earlier: dict | None, result: dict) -> dict:
+    """One seed's earlier runs and this invocation's; its retrained base must be the one they were paired with."""
+    if earlier is None:
+        return result
+    seed, base_loss = result["base"]["seed"], result["base"]["primary_val_loss"]
+    if abs(base_loss - earlier["base"]["primary_val_loss"]) > 1e-6:
+        raise DualFlowUserError(
+            f"--resume: seed {seed}'s retrained base has val loss {base_loss:.6f}, the report's "
+            f"{earlier['base']['primary_val_loss']:.6f}; its runs cannot be paired (use another --out)"
+        )
+    return (
+        earlier
+        | {name: run for name, run in result.items() if name != "base"}
+        | {"base": earlier["base"] | result["base"]}
+    )
+
+
 def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
-    """Pretrain `scale.steps`, continue half as many; the options were checked by `experiment.run`."""
-    continue_steps = max(1, scale.steps // 2)
-    recipes = list(RECIPES)
+    """Pretrain `scale.steps`, continue `--continue-steps` (default half as many); the options were checked by
+    `experiment.run`."""
+    continue_steps = args.continue_steps or max(1, scale.steps // 2)
+    if continue_steps < 1:
+        raise DualFlowUserError(f"--continue-steps must be >= 1, got {continue_steps}")
+    recipes = select_recipes(args.arms)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise DualFlowUserError(f"--out {out} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     train_tokens, val_blocks, data = load_corpus(args.data, scale)
+    earlier, previous = previous_upcycle(out / "upcycle.json", scale, continue_steps, data) if args.resume else ({}, {})
     disable_progress_bar()  # transformers' per-load weight bars, dozens per seed
     started = time.perf_counter()
-    tasks = [(recipes, scale, continue_steps, seed, train_tokens, val_blocks) for seed in range(num_seeds)]
-    if jobs == 1:
-        per_seed = [upcycle_seed(*task) for task in tasks]
+    tasks = []
+    for seed in range(num_seeds):
+        missing = [recipe for recipe in recipes if recipe.name not in earlier.get(seed, {})]
+        if missing:
+            tasks.append((missing, scale, continue_steps, seed, train_tokens, val_blocks))
+    if jobs == 1 or len(tasks) < 2:
+        results = [upcycle_seed(*task) for task in tasks]
     else:
-        with get_context("fork").Pool(min(jobs, num_seeds)) as pool:
-            per_seed = pool.starmap(upcycle_seed, tasks)
-    summary = summarize(recipes, per_seed)
+        with get_context("fork").Pool(min(jobs, len(tasks))) as pool:
+            results = pool.starmap(upcycle_seed, tasks)
+    by_seed = dict(earlier)
+    for result in results:
+        by_seed[result["base"]["seed"]] = merge_seed(earlier.get(result["base"]["seed"]), result)
+    per_seed = [by_seed[seed] for seed in sorted(by_seed)]
+    names = {name for result in per_seed for name in result}
+    summary = summarize([recipe for recipe in RECIPES if recipe.name in names], per_seed)
     base = mean_and_error([result["base"]["primary_val_loss"] for result in per_seed])
     report = {
         "schema": SCHEMA,
         "command": command_line(args),
+        "commands": previous.get("commands", [previous["command"]] if previous else []) + [command_line(args)],
         "quick": args.quick,
         "scale": asdict(scale),
         "pretrain_steps": scale.steps,
         "continue_steps": continue_steps,
-        "seeds": list(range(num_seeds)),
+        "seeds": sorted(by_seed),
         "data": data,
-        "wall_s_total": time.perf_counter() - started,
+        "wall_s_total": previous.get("wall_s_total", 0.0) + time.perf_counter() - started,
         "base": {"primary_val_loss": base, "runs": [result["base"] for result in per_seed]},
         "recipes": summary,
         "table": format_table(summary, base),
@@ -260,8 +363,9 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
     (out / "upcycle.json").write_text(json.dumps(report, indent=1))
     print(report["table"])
     print(
-        f"prediction = aux flow for dual recipes; Δ paired by seed, ± = standard error over {num_seeds} seed(s); "
-        f"pretrain {scale.steps} steps, continue {continue_steps} steps. Total {report['wall_s_total'] / 60:.1f} min."
+        f"prediction = aux flow for dual recipes; Δ paired by seed, ± = standard error over the seeds each recipe "
+        f"ran ({len(per_seed)} at most); pretrain {scale.steps} steps, continue {continue_steps} steps. "
+        f"Total {report['wall_s_total'] / 60:.1f} min."
     )
     print_footer([out / "upcycle.json"], args.quick)
     return 0
