@@ -189,6 +189,12 @@ def test_upcycle_recipes_by_name_and_resume_pairs_with_the_same_base(tmp_path, c
     assert second["base"]["runs"][0]["primary_val_loss"] == first["base"]["runs"][0]["primary_val_loss"]
     assert len(second["commands"]) == 2 and "--resume" in second["commands"][1]
     capsys.readouterr()
+    # A base that no longer retrains to the one the runs continued is refused before any recipe trains.
+    second["base"]["runs"][1]["primary_val_loss"] += 0.01
+    (out / "upcycle.json").write_text(json.dumps(second))
+    assert main(argv + ["--resume", "--seeds", "2", "--arms", "single lora r16 lr x0.33"]) == 2
+    assert "seed 1's retrained base" in capsys.readouterr().err
+    assert json.loads((out / "upcycle.json").read_text()) == second
     # Another continuation length cannot be paired with these runs; an unknown recipe is named.
     assert main(argv + ["--resume", "--continue-steps", "3"]) == 2
     assert main(argv + ["--arms", "dual full ka=3kp"]) == 2

@@ -187,12 +187,22 @@ def losses(model, val_blocks, dual: bool) -> dict:
     return {"aux_val_loss": both["logits"], "primary_val_loss": both["primary_logits"]}
 
 
-def upcycle_seed(recipes, scale: TinyScale, continue_steps: int, seed: int, train_tokens, val_blocks) -> dict:
-    """Pretrain, save, convert and continue every recipe for one seed; returns {"base": ..., recipe name: run}."""
+def upcycle_seed(
+    recipes, scale: TinyScale, continue_steps: int, seed: int, train_tokens, val_blocks, earlier_base=None
+) -> dict:
+    """
+    Pretrain, save, convert and continue every recipe for one seed; returns {"base": ..., recipe name: run}.
+    `earlier_base`: the base this seed's earlier runs continued (--resume); a retrained base that differs stops here.
+    """
     torch.set_num_threads(1)
     config = tiny_moe_config(scale, top_k=2, qk_norm="per_head")  # Qwen3-MoE normalises q and k per head
     base, _ = train_language_model(config, train_tokens, scale, seed, show_progress=False)
     result = {"base": {"seed": seed, **losses(base, val_blocks, dual=False)}}
+    if earlier_base is not None and abs(result["base"]["primary_val_loss"] - earlier_base["primary_val_loss"]) > 1e-6:
+        raise DualFlowUserError(
+            f"--resume: seed {seed}'s retrained base has val loss {result['base']['primary_val_loss']:.6f}, the "
+            f"report's {earlier_base['primary_val_loss']:.6f}; its runs cannot be paired (use another --out)"
+        )
     with tempfile.TemporaryDirectory(prefix="dualflow-upcycle-") as tmp:
         source = save_as_qwen3_moe(base, Path(tmp) / "qwen3-moe")
         converted = {}  # (k_a / k_p, adapter rank): folder written by the real converter
@@ -297,20 +307,11 @@ def previous_upcycle(path: Path, scale: TinyScale, continue_steps: int, data: di
 
 
 def merge_seed(earlier: dict | None, result: dict) -> dict:
-    """One seed's earlier runs and this invocation's; its retrained base must be the one they were paired with."""
+    """One seed's earlier runs and this invocation's (whose base `upcycle_seed` found equal to the earlier one)."""
     if earlier is None:
         return result
-    seed, base_loss = result["base"]["seed"], result["base"]["primary_val_loss"]
-    if abs(base_loss - earlier["base"]["primary_val_loss"]) > 1e-6:
-        raise DualFlowUserError(
-            f"--resume: seed {seed}'s retrained base has val loss {base_loss:.6f}, the report's "
-            f"{earlier['base']['primary_val_loss']:.6f}; its runs cannot be paired (use another --out)"
-        )
-    return (
-        earlier
-        | {name: run for name, run in result.items() if name != "base"}
-        | {"base": earlier["base"] | result["base"]}
-    )
+    runs = {name: run for name, run in result.items() if name != "base"}
+    return earlier | runs | {"base": earlier["base"] | result["base"]}
 
 
 def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
@@ -332,7 +333,8 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
     for seed in range(num_seeds):
         missing = [recipe for recipe in recipes if recipe.name not in earlier.get(seed, {})]
         if missing:
-            tasks.append((missing, scale, continue_steps, seed, train_tokens, val_blocks))
+            earlier_base = earlier[seed]["base"] if seed in earlier else None
+            tasks.append((missing, scale, continue_steps, seed, train_tokens, val_blocks, earlier_base))
     if jobs == 1 or len(tasks) < 2:
         results = [upcycle_seed(*task) for task in tasks]
     else:
