@@ -69,12 +69,52 @@ class DualFlowMLP(nn.Module):
         return out
 
 
+UNCHOSEN_LOGIT = -1e9  # an expert a chunk row does not route to: weight exp(-1e9) = 0 after any softmax
+PADDING_LOGIT = -1e4  # ranks above every unchosen expert, so top-k picks it, and still weighs 0
+
+
+def aux_chunk_logits(
+    aux_logits: torch.Tensor, k_p: int, k_a: int, norm_topk_prob: bool, primary_logits: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Router logits that make a top-k_p router (FusedMoE's own softmax top-k, renormalised or not) route the aux rows
+    with k_a experts: each aux row becomes ceil(k_a / k_p) chunk rows of k_p (expert, weight) slots, chunk-major
+    ([chunk 0 of every row; chunk 1; ...]). A chunk row's logits are log(w / s) at its experts (s: the chunk's weight
+    sum, which the caller multiplies back), so softmax gives w / s and renormalising changes nothing. Slots left over
+    when k_p does not divide k_a weigh 0 and point at an expert the same token streams anyway: the row's own first
+    chunk, or (k_a < k_p) the primary row's experts at the same position (`primary_logits`, when there is one).
+
+    aux_logits: (P, E); primary_logits: (P, E) or None. Returns chunk logits (chunks * P, E) in fp32 and the chunk
+    weight sums (chunks * P, 1).
+    """
+    probs = F.softmax(aux_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k_a, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    chunks = -(-k_a // k_p)
+    padding = chunks * k_p - k_a
+    if padding:
+        if chunks > 1:
+            padding_ids = ids[:, :padding]
+        else:  # rank the other experts by the primary router (the aux router's own ranking without a primary row)
+            ranking = probs if primary_logits is None else F.softmax(primary_logits, dim=-1, dtype=torch.float32)
+            padding_ids = ranking.scatter(1, ids, -1.0).topk(padding, dim=-1).indices
+        ids, weights = torch.cat([ids, padding_ids], dim=-1), F.pad(weights, (0, padding))
+    num_aux = aux_logits.shape[0]
+    ids = ids.view(num_aux, chunks, k_p).transpose(0, 1).reshape(-1, k_p)
+    weights = weights.view(num_aux, chunks, k_p).transpose(0, 1).reshape(-1, k_p)
+    sums = weights.sum(dim=-1, keepdim=True)
+    slot_logits = torch.log(weights / sums).clamp(min=PADDING_LOGIT)
+    logits = torch.full((ids.shape[0], aux_logits.shape[-1]), UNCHOSEN_LOGIT, device=ids.device)
+    return logits.scatter(1, ids, slot_logits), sums
+
+
 class DualFlowSparseMoeBlock(nn.Module):
     """
-    Shared router and experts for both flows, one experts call per layer. FusedMoE takes one top-k, so it is built
-    with k_p: primary rows route as in the base model, and each aux row is cut into ceil(k_a / k_p) rows of k_p
-    (expert, weight) slots (the row plus copies of it appended at the end), slots left over pointing at a real expert
-    with weight 0. The routing function reads the row layout of the current call from `self.rows`.
+    Shared router and experts for both flows, one experts call per layer, FusedMoE's own routing for every row.
+    FusedMoE takes one top-k, so it is built with k_p: primary rows route as in the base model; with k_a != k_p each
+    aux row enters as ceil(k_a / k_p) chunk rows whose router logits select its experts (`aux_chunk_logits`), and the
+    chunks' outputs are summed back. The layout is a function of the call's inputs: no state between calls.
     """
 
     def __init__(self, config, quant_config, prefix: str = ""):
@@ -82,7 +122,6 @@ class DualFlowSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.aux_top_k = config.aux_num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.rows = (0, 0, 1)  # (primary rows, aux rows, chunks per aux row) of the call in progress
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, prefix=f"{prefix}.gate")
         self.shared_expert = None
         if config.shared_expert_intermediate_size > 0:
@@ -99,47 +138,27 @@ class DualFlowSparseMoeBlock(nn.Module):
             intermediate_size=config.moe_intermediate_size,
             renormalize=config.norm_topk_prob,
             quant_config=quant_config,
-            custom_routing_function=self.route,
             prefix=f"{prefix}.experts",
         )
 
-    def _select(self, probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, ids = torch.topk(probs, k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
-
-    def route(self, hidden_states, gating_output, topk, renormalize):
-        num_primary, num_aux, chunks = self.rows
-        probs = F.softmax(gating_output, dim=-1, dtype=torch.float32)
-        weights, ids = self._select(probs, topk)  # every row as the primary flow routes it
-        if num_aux == 0 or self.aux_top_k == topk:
-            return weights, ids
-        weights_a, ids_a = self._select(probs[num_primary : num_primary + num_aux], self.aux_top_k)
-        padding = chunks * topk - self.aux_top_k
-        if padding:
-            ids_a = torch.cat([ids_a, ids_a[:, :1].expand(-1, padding)], dim=-1)
-            weights_a = F.pad(weights_a, (0, padding))
-        # (aux, chunks * k_p) -> chunk-major rows matching [aux rows; copy 1; copy 2; ...]
-        weights_a = weights_a.view(num_aux, chunks, topk).transpose(0, 1).reshape(-1, topk)
-        ids_a = ids_a.view(num_aux, chunks, topk).transpose(0, 1).reshape(-1, topk)
-        end = num_primary + chunks * num_aux  # rows past it: padding the MoE layer may add
-        return torch.cat([weights[:num_primary], weights_a, weights[end:]]), torch.cat(
-            [ids[:num_primary], ids_a, ids[end:]]
-        )
-
-    def forward(self, hidden_states: torch.Tensor, num_primary: int) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, num_primary: int, aux_rows: torch.Tensor | None) -> torch.Tensor:
+        # hidden_states: (T + P, hidden) = [primary rows; aux rows at the primary rows `aux_rows`] (T = 0 and
+        # aux_rows None in an extra aux round)
+        router_logits, _ = self.gate(hidden_states)
         num_aux = hidden_states.shape[0] - num_primary
-        chunks = -(-self.aux_top_k // self.top_k) if num_aux else 1
-        rows = hidden_states
-        if chunks > 1:
-            rows = torch.cat([hidden_states, hidden_states[num_primary:].repeat(chunks - 1, 1)])
-        router_logits, _ = self.gate(rows)
-        self.rows = (num_primary, num_aux, chunks)
-        out = self.experts(hidden_states=rows, router_logits=router_logits)
-        if chunks > 1:
-            extra = out[hidden_states.shape[0] :].view(chunks - 1, num_aux, -1).sum(dim=0)
-            out = torch.cat([out[:num_primary], out[num_primary : hidden_states.shape[0]] + extra])
+        if num_aux == 0 or self.aux_top_k == self.top_k:
+            out = self.experts(hidden_states=hidden_states, router_logits=router_logits)
+        else:
+            primary_logits = router_logits[aux_rows] if num_primary else None
+            chunk_logits, chunk_sums = aux_chunk_logits(
+                router_logits[num_primary:], self.top_k, self.aux_top_k, self.norm_topk_prob, primary_logits
+            )
+            chunks = chunk_logits.shape[0] // num_aux
+            rows = torch.cat([hidden_states[:num_primary], hidden_states[num_primary:].repeat(chunks, 1)])
+            logits = torch.cat([router_logits[:num_primary].float(), chunk_logits])
+            out = self.experts(hidden_states=rows, router_logits=logits)
+            aux_out = (out[num_primary:] * chunk_sums.to(out.dtype)).view(chunks, num_aux, -1).sum(dim=0)
+            out = torch.cat([out[:num_primary], aux_out])
         if self.shared_expert is not None:
             gate, _ = self.shared_expert_gate(hidden_states)
             out = out + torch.sigmoid(gate) * self.shared_expert(hidden_states)
@@ -286,9 +305,11 @@ class DualFlowDecoderLayer(nn.Module):
             config, config.hidden_size, config.hidden_size, prefix=f"{prefix}.aux_mlp_adapter"
         )
 
-    def forward(self, positions, hidden_states, num_primary: int, aux_attn, primary_entering, extra_round=False):
-        # hidden_states: (T + P, hidden) = [primary rows; aux rows], or the P aux rows alone in an extra aux round;
-        # primary_entering: (P, hidden), the primary state that entered this layer at the aux rows' positions
+    def forward(
+        self, positions, hidden_states, num_primary: int, aux_attn, primary_entering, aux_rows=None, extra_round=False
+    ):
+        # hidden_states: (T + P, hidden) = [primary rows; aux rows at the primary rows `aux_rows`], or the P aux rows
+        # alone in an extra aux round; primary_entering: (P, hidden), the primary state that entered this layer there
         layer_input = hidden_states
         if primary_entering is not None:
             coupled = self.aux_coupling.weight * primary_entering
@@ -296,7 +317,8 @@ class DualFlowDecoderLayer(nn.Module):
         attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary, aux_attn)
         hidden_states = hidden_states + attn_out
         normed = self.post_attention_layernorm(hidden_states)
-        mlp_out = self.mlp(normed, num_primary) if isinstance(self.mlp, DualFlowSparseMoeBlock) else self.mlp(normed)
+        is_moe = isinstance(self.mlp, DualFlowSparseMoeBlock)
+        mlp_out = self.mlp(normed, num_primary, aux_rows) if is_moe else self.mlp(normed)
         if self.aux_mlp_adapter is not None:  # the delta of the MLP's (normed) input, added to the block's output
             mlp_out = self.aux_mlp_adapter(mlp_out, normed, num_primary)
         hidden_states = hidden_states + mlp_out
@@ -362,7 +384,7 @@ class DualFlowModel(nn.Module):
         entering = []  # per layer, the primary state entering it at the aux rows
         for layer, aux_attn in zip(self.layers, aux_attns):
             entering.append(hidden_states[aux_rows] if aux_rows is not None else None)
-            hidden_states = layer(positions, hidden_states, num_primary, aux_attn, entering[-1])
+            hidden_states = layer(positions, hidden_states, num_primary, aux_attn, entering[-1], aux_rows)
         if aux_rows is not None and self.aux_num_rounds > 1:
             # Rounds 2..R: the aux rows alone pass through every layer again, coupled to the same primary states and
             # reading the same cached primary K/V; nothing is written.
