@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -315,8 +316,7 @@ class DualFlowDecoderLayer(nn.Module):
             coupled = self.aux_coupling.weight * primary_entering
             hidden_states = torch.cat([hidden_states[:num_primary], hidden_states[num_primary:] + coupled])
         attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary, aux_attn)
-        hidden_states = hidden_states + attn_out
-        normed = self.post_attention_layernorm(hidden_states)
+        normed, hidden_states = self.post_attention_layernorm(attn_out, hidden_states)  # fused residual add + norm
         is_moe = isinstance(self.mlp, DualFlowSparseMoeBlock)
         mlp_out = self.mlp(normed, num_primary, aux_rows) if is_moe else self.mlp(normed)
         if self.aux_mlp_adapter is not None:  # the delta of the MLP's (normed) input, added to the block's output
@@ -327,6 +327,9 @@ class DualFlowDecoderLayer(nn.Module):
         return hidden_states
 
 
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0, "aux_rows": 0}
+)
 class DualFlowModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -358,8 +361,11 @@ class DualFlowModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def sampled_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
-        """Rows of this step's tokens whose logits vLLM samples from, as the aux attention metadata sees them."""
+    def sampled_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
+        """Rows of this step's tokens whose logits vLLM samples from, as the aux attention metadata sees them (None
+        without the aux flow). Read outside the compiled forward: it depends on the step's metadata, not on tensors."""
+        if not self.use_aux_flow:
+            return None
         metadata = get_forward_context().attn_metadata
         aux_metadata = metadata.get(self.aux_attn[0].layer_name) if isinstance(metadata, dict) else None
         indices = getattr(aux_metadata, "logits_indices_padded", None)
@@ -368,16 +374,22 @@ class DualFlowModel(nn.Module):
             return torch.arange(num_tokens, device=device)
         return indices.long()
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        aux_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # aux_rows: (P,) rows whose next token is sampled (`sampled_rows`); None runs the primary flow alone
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         num_primary = hidden_states.shape[0]
-        aux_rows = None
-        if self.use_aux_flow:
+        if aux_rows is not None:
             if input_ids is None:
                 raise ValueError(
                     "The Dual-Flow aux flow embeds token ids with its own table: inputs_embeds need use_aux_flow=False"
                 )
-            aux_rows = self.sampled_rows(num_primary, hidden_states.device)
             hidden_states = torch.cat([hidden_states, self.aux_embed_tokens(input_ids[aux_rows])])
             positions = torch.cat([positions, positions[aux_rows]])
         aux_attns = self.aux_attn if aux_rows is not None else [None] * len(self.layers)
@@ -437,7 +449,9 @@ class DualFlowForCausalLM(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        num_tokens = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
+        aux_rows = self.model.sampled_rows(num_tokens, positions.device)
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, aux_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

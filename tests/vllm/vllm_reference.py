@@ -46,7 +46,18 @@ AUX_TOP_K = 4
 AUX_ADAPTERS = ("self_attn.aux_q_adapter", "self_attn.aux_o_adapter", "aux_mlp_adapter")  # in each decoder layer
 LOGPROB_TOLERANCE = 1e-3  # fp32
 # Small enough for this machine; prompts over 48 tokens (or batches) are prefilled in chunks.
-ENGINE_ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=48, block_size=32, seed=0)
+# The model is traced by torch.compile (vLLM's CPU mode) with eager kernels: Inductor's code generation takes minutes
+# per engine on two cores, and test_vllm_compile.py runs it once against an eager engine.
+TRACED_WITH_EAGER_KERNELS = {"mode": "DYNAMO_TRACE_ONCE", "backend": "eager"}
+ENGINE_ARGS = dict(
+    dtype="float32",
+    max_model_len=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=48,
+    block_size=32,
+    seed=0,
+    compilation_config=TRACED_WITH_EAGER_KERNELS,
+)
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
