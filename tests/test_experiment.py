@@ -171,18 +171,18 @@ def test_upcycle_quick_path_pairs_recipes_with_the_converted_base(tmp_path, caps
 def test_upcycle_recipes_by_name_and_resume_pairs_with_the_same_base(tmp_path, capsys):
     out, data = tmp_path / "up", ["--data"] + [str(path) for path in SMALL_TEXT_FILES]
     argv = ["experiment", "--regime", "upcycle", "--quick", "--steps", "4", "--jobs", "1", "--out", str(out)] + data
-    swept = ["single lora r16", "single lora r16 lr x3"]
+    swept = ["dual aux-only ka=2kp", "dual aux-only ka=2kp lr x3"]
     assert main(argv + ["--seeds", "1", "--arms", *swept]) == 0
     first = json.loads((out / "upcycle.json").read_text())
     assert [recipe["name"] for recipe in first["recipes"]] == ["single continued", *swept]
-    lora, lora_x3 = first["recipes"][1]["runs"][0], first["recipes"][2]["runs"][0]
-    assert lora_x3["learning_rate"] == pytest.approx(3 * lora["learning_rate"])
-    assert lora_x3["primary_val_loss"] != lora["primary_val_loss"]  # the rate reached the optimizer
+    aux_only, aux_only_x3 = first["recipes"][1]["runs"][0], first["recipes"][2]["runs"][0]
+    assert aux_only_x3["learning_rate"] == pytest.approx(3 * aux_only["learning_rate"])
+    assert aux_only_x3["aux_val_loss"] != aux_only["aux_val_loss"]  # the rate reached the optimizer
     # A second seed of one recipe more: seed 0's runs are kept as they were, its base retrained and found equal.
     assert main(argv + ["--resume", "--seeds", "2", "--arms", "dual full ka=2kp f0.25"]) == 0
     second = json.loads((out / "upcycle.json").read_text())
     recipes = {recipe["name"]: recipe for recipe in second["recipes"]}
-    assert recipes["single lora r16 lr x3"]["runs"] == [lora_x3]
+    assert recipes["dual aux-only ka=2kp lr x3"]["runs"] == [aux_only_x3]
     assert [run["seed"] for run in recipes["single continued"]["runs"]] == [0, 1]
     fraction_runs = recipes["dual full ka=2kp f0.25"]["runs"]
     assert [run["aux_train_fraction"] for run in fraction_runs] == [0.25, 0.25] and second["seeds"] == [0, 1]
@@ -192,7 +192,7 @@ def test_upcycle_recipes_by_name_and_resume_pairs_with_the_same_base(tmp_path, c
     # A base that no longer retrains to the one the runs continued is refused before any recipe trains.
     second["base"]["runs"][1]["primary_val_loss"] += 0.01
     (out / "upcycle.json").write_text(json.dumps(second))
-    assert main(argv + ["--resume", "--seeds", "2", "--arms", "single lora r16 lr x0.33"]) == 2
+    assert main(argv + ["--resume", "--seeds", "2", "--arms", "dual aux-only ka=2kp lr x0.33"]) == 2
     assert "seed 1's retrained base" in capsys.readouterr().err
     assert json.loads((out / "upcycle.json").read_text()) == second
     # Another continuation length cannot be paired with these runs; an unknown recipe is named.

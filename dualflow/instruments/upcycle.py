@@ -76,17 +76,9 @@ DEFAULT_RECIPES = (
 # A small learning-rate sweep of the recipes that train few parameters, so none loses on an untuned rate.
 LEARNING_RATE_FACTORS = (1 / 3, 3.0)
 LEARNING_RATE_RECIPES = tuple(
-    Recipe(
-        f"{recipe.name} lr x{factor:.2g}",
-        recipe.aux_factor,
-        recipe.train,
-        recipe.adapter_rank,
-        recipe.lora_rank,
-        factor,
-    )
+    replace(recipe, name=f"{recipe.name} lr x{factor:.2g}", learning_rate_factor=factor)
     for recipe in DEFAULT_RECIPES
-    if recipe.name
-    in ("single lora r16", "dual lora+aux ka=2kp", "dual aux-only ka=2kp", "dual aux-only+adapters ka=2kp")
+    if recipe.name in ("dual lora+aux ka=2kp", "dual aux-only ka=2kp", "dual aux-only+adapters ka=2kp")
     for factor in LEARNING_RATE_FACTORS
 )
 FRACTION_RECIPES = tuple(
