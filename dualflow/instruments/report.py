@@ -18,11 +18,16 @@ COST_TARGET = 1.3  # training cost per token of a fraction arm, in single-flow k
 GAIN_TARGET = 0.9  # share of the same design's gain at every position
 
 
+def made_the_same_way(previous: dict, schema: str, scale: TinyScale, data: dict) -> bool:
+    """Whether an earlier report has `schema` and was made with `scale` on the same data (for --resume)."""
+    same_data = all(previous["data"][key] == data[key] for key in ("source", "files", "val_tokens"))
+    return previous.get("schema") == schema and previous["scale"] == asdict(scale) and same_data
+
+
 def previous_runs(path: Path, scale: TinyScale, data: dict) -> tuple[dict, dict]:
     """(runs by arm name, the report) of an earlier report at `path` made with the same scale and data, for --resume."""
     previous = json.loads(path.read_text())
-    same_data = all(previous["data"][key] == data[key] for key in ("source", "files", "val_tokens"))
-    if previous.get("schema") != SCHEMA or previous["scale"] != asdict(scale) or not same_data:
+    if not made_the_same_way(previous, SCHEMA, scale, data):
         raise DualFlowUserError(f"--resume: {path} was made with another scale, data or schema; use another --out")
     return {arm["name"]: arm["runs"] for arm in previous["arms"]}, previous
 

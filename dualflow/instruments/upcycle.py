@@ -26,7 +26,7 @@ from ..convert import convert_checkpoint
 from ..errors import DualFlowUserError
 from ..lora import add_lora
 from ..scoring import mean_token_nll, mean_token_nlls
-from .report import command_line, print_footer
+from .report import command_line, made_the_same_way, print_footer
 from .runner import load_corpus
 from .stats import format_error, mean_and_error, paired_differences
 from .tables import text_table
@@ -285,9 +285,7 @@ def format_table(summary: list[dict], base: dict) -> str:
 def previous_upcycle(path: Path, scale: TinyScale, continue_steps: int, data: dict) -> tuple[dict, dict]:
     """({seed: {"base": ..., recipe name: run}}, the report) of an earlier upcycle report made the same way."""
     previous = json.loads(path.read_text())
-    same_data = all(previous["data"][key] == data[key] for key in ("source", "files", "val_tokens"))
-    same_steps = previous["continue_steps"] == continue_steps
-    if previous.get("schema") != SCHEMA or previous["scale"] != asdict(scale) or not same_data or not same_steps:
+    if not made_the_same_way(previous, SCHEMA, scale, data) or previous["continue_steps"] != continue_steps:
         raise DualFlowUserError(
             f"--resume: {path} was made with another scale, data, steps or schema; use another --out"
         )
