@@ -1,7 +1,9 @@
 """Training the arms of `dualflow experiment`: the corpus, one run (train from scratch, score), runs in processes."""
 
 import platform
+import signal
 import time
+from contextlib import contextmanager
 from multiprocessing import get_context
 
 import torch
@@ -56,6 +58,30 @@ def load_corpus(data_paths, scale: TinyScale) -> tuple[torch.Tensor, torch.Tenso
 
 
 _WORKER_DATA: dict = {}
+
+
+@contextmanager
+def fork_pool(processes: int, initializer=None, initargs=()):
+    """
+    A fork Pool (workers share the loaded modules and data; torch resets its thread pools at fork) whose workers
+    ignore SIGINT: a terminal's Ctrl-C reaches the whole process group, and only the parent answers it (it terminates
+    the pool and prints one line). SIGINT stays blocked while the workers fork, so a Ctrl-C in that window waits for
+    the parent instead of reaching a worker before it ignores the signal, or being lost.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        pool = get_context("fork").Pool(processes, _start_quiet_worker, (initializer, initargs))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a Ctrl-C that came meanwhile is raised here
+    with pool:
+        yield pool
+
+
+def _start_quiet_worker(initializer, initargs):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also discards a SIGINT pending since the fork
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def _init_worker(train_tokens, val_blocks, threads):
@@ -116,8 +142,7 @@ def run_arms(arms, scale, seeds, train_tokens, val_blocks, jobs=1, threads=1, do
             for arm, seed in tasks:
                 finished(arm, train_and_score(arm, scale, seed, train_tokens, val_blocks))
         else:
-            context = get_context("fork")  # workers share the loaded modules and data; torch resets its pools at fork
-            with context.Pool(jobs, _init_worker, (train_tokens, val_blocks, threads), maxtasksperchild=None) as pool:
+            with fork_pool(jobs, _init_worker, (train_tokens, val_blocks, threads)) as pool:
                 pending = [(arm, pool.apply_async(train_and_score, (arm, scale, seed))) for arm, seed in tasks]
                 for arm, result in pending:
                     finished(arm, result.get())

@@ -13,7 +13,6 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from ..errors import DualFlowUserError
 from ..lora import add_lora
 from ..scoring import mean_token_nll, mean_token_nlls
 from .report import command_line, made_the_same_way, print_footer
-from .runner import load_corpus
+from .runner import fork_pool, load_corpus
 from .stats import format_error, mean_and_error, paired_differences
 from .tables import text_table
 from .tiny_lm import TinyScale, tiny_moe_config, train_language_model, train_model
@@ -328,7 +327,7 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
     if jobs == 1 or len(tasks) < 2:
         results = [upcycle_seed(*task) for task in tasks]
     else:
-        with get_context("fork").Pool(min(jobs, len(tasks))) as pool:
+        with fork_pool(min(jobs, len(tasks))) as pool:
             results = pool.starmap(upcycle_seed, tasks)
     by_seed = dict(earlier)
     for result in results:
