@@ -9,11 +9,14 @@ random prompts (prefix caching off, so no engine reuses another round's prompts)
 the table gives per-arm medians and the median of the per-round ratios with its standard error.
     prefill: tokens/s of prompts of --prefill-lengths tokens, 1 generated token;
     decode: generated tokens/s for --decode-batches requests of --decode-prompt tokens, --decode-tokens each (wall
-        time of the whole requests: the short prompts' prefill is in it, the same for every arm);
+        time of the whole requests: the prompts' prefill is in it, the same for every arm);
+    decode only: the same requests from the step that gave every request its first token to the last token (vLLM's
+        per-request timestamps; a batch's prompts are prefilled in one step), so long prompts' prefill is not in it;
     transformers: `generate` with the aux flow on (k_a = k_p), same prompts, one batch, against vLLM's aux engine;
     byte limit: per decode batch and aux arm, the distinct experts per layer and step of the primary rows and of the
         primary + aux rows, and the decode ratio aux on / off that the bytes a step must stream allow
-        (`decode_byte_limit`). Long context: e.g. `--decode-prompt 4096 --decode-batches 16`.
+        (`decode_byte_limit`; routing counted on at most ROUTING_SAMPLE_PROMPT tokens of prompt, the K/V at the
+        full context). Long context: e.g. `--decode-prompt 4096 --decode-batches 16 --no-transformers`.
 """
 
 import argparse
@@ -22,6 +25,7 @@ import math
 import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +44,9 @@ PRESETS = {
     "cpu": dict(hidden=512, heads=8, kv_heads=2, experts=8, expert_size=1792, layers=4, vocab=32000, dtype="float32"),
 }
 TOP_K = 2
+# The byte limit's transformers forward (full logits) would not fit at 16 x 8k tokens; routing at a decode step does
+# not depend on how long the context is, so it is counted on a prompt this long and the K/V at the real context.
+ROUTING_SAMPLE_PROMPT = 256
 AUX_ARMS = {"aux k_a=k_p": TOP_K, "aux k_a=2k_p": 2 * TOP_K}
 
 
@@ -53,6 +60,9 @@ def parse_args():
     parser.add_argument("--decode-prompt", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile in vLLM")
+    parser.add_argument(
+        "--no-transformers", action="store_true", help="skip transformers' generate (slow at long prompts on a CPU)"
+    )
     return parser.parse_args()
 
 
@@ -80,12 +90,15 @@ def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
 
 
 @torch.no_grad()
-def decode_byte_limit(model, sequences: torch.Tensor, prompt_length: int, aux_top_k: int) -> dict:
+def decode_byte_limit(
+    model, sequences: torch.Tensor, prompt_length: int, aux_top_k: int, context_offset: int = 0
+) -> dict:
     """
     What a decode step of `sequences` (batch, prompt + new tokens; a step = one position across the batch) must stream
     at the least, with the aux flow on and off: every non-expert weight (the aux embedding: one row per request), the
     distinct experts its rows route to (by `route_two_top_k`, from transformers' router logits on the same
-    sequences) and the K/V of the context, read once. Medians over the steps and layers.
+    sequences) and the K/V of the context, read once. Medians over the steps and layers. `context_offset`: context
+    tokens beyond `sequences`' own (their prompt stands for a longer one).
     """
     config = model.config
     batch, length = sequences.shape
@@ -115,7 +128,7 @@ def decode_byte_limit(model, sequences: torch.Tensor, prompt_length: int, aux_to
                 )
                 count += indices.unique().numel()
             distinct[flow].append(count / config.num_hidden_layers)
-            context = batch * (step + 1) * kv_per_token
+            context = batch * (step + 1 + context_offset) * kv_per_token
             step_bytes[flow] = dense_bytes + count * expert_bytes + context
         ratios.append(step_bytes["off"] / step_bytes["on"])
     return {
@@ -160,7 +173,9 @@ def measure(args, folder: Path):
         model=str(folder),
         dtype=preset["dtype"],
         max_model_len=longest + 16,
-        max_num_batched_tokens=max(longest + 16, 2048),
+        # a decode batch's prompts in one step, so every request's first token comes from the same step
+        max_num_batched_tokens=max(longest + 16, 2048, max(args.decode_batches) * (args.decode_prompt + 16)),
+        disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics) for the decode-only rate
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
         skip_tokenizer_init=True,
@@ -177,11 +192,18 @@ def measure(args, folder: Path):
 
     def run_vllm(engine, batch, max_tokens):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return engine.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+
+    def decode_only_seconds(outputs):
+        """From the step that gave every request its first token to the last token of any (engine timestamps)."""
+        first = max(output.metrics.first_token_ts for output in outputs)
+        return max(output.metrics.last_token_ts for output in outputs) - first
 
     def byte_limits(size, aux_top_k):
-        sequences = torch.tensor(prompts(size, args.decode_prompt + args.decode_tokens), device=device)
-        return decode_byte_limit(hf_model, sequences, args.decode_prompt, aux_top_k)
+        sample_prompt = min(args.decode_prompt, ROUTING_SAMPLE_PROMPT)
+        sequences = torch.tensor(prompts(size, sample_prompt + args.decode_tokens), device=device)
+        offset = args.decode_prompt - sample_prompt
+        return decode_byte_limit(hf_model, sequences, sample_prompt, aux_top_k, context_offset=offset)
 
     def run_hf(batch, max_tokens):
         ids = torch.tensor(batch, device=device)
@@ -189,10 +211,12 @@ def measure(args, folder: Path):
 
     for engine in engines.values():  # warm-up
         run_vllm(engine, prompts(1, 64), 4)
-    run_hf(prompts(1, 16), 2)
+    if not args.no_transformers:
+        run_hf(prompts(1, 16), 2)
 
     prefill = {n: {arm: [] for arm in arms} for n in args.prefill_lengths}
     decode = {b: {arm: [] for arm in arms + ["transformers generate"]} for b in args.decode_batches}
+    decode_only = {b: {arm: [] for arm in arms} for b in args.decode_batches}
     for round_index in range(args.rounds):
         order = rotated(arms, round_index)
         for length in args.prefill_lengths:
@@ -204,17 +228,20 @@ def measure(args, folder: Path):
             batch = prompts(size, args.decode_prompt)
             new_tokens = size * args.decode_tokens
             for arm in order:
-                elapsed = seconds(run_vllm, engines[arm], batch, args.decode_tokens)
-                decode[size][arm].append(new_tokens / elapsed)
-            elapsed = seconds(run_hf, batch, args.decode_tokens)
-            decode[size]["transformers generate"].append(new_tokens / elapsed)
+                start = time.perf_counter()
+                outputs = run_vllm(engines[arm], batch, args.decode_tokens)
+                decode[size][arm].append(new_tokens / (time.perf_counter() - start))
+                decode_only[size][arm].append(size * (args.decode_tokens - 1) / decode_only_seconds(outputs))
+            if not args.no_transformers:
+                elapsed = seconds(run_hf, batch, args.decode_tokens)
+                decode[size]["transformers generate"].append(new_tokens / elapsed)
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
 
     name = "GPU" if device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(
         f"\n{args.preset} preset on {name}: hidden {preset['hidden']}, {preset['layers']} layers, "
         f"{preset['experts']} experts of {preset['expert_size']}, k_p={TOP_K}, {preset['dtype']}; "
-        f"{args.rounds} interleaved rounds, medians\n"
+        f"decode prompts of {args.decode_prompt} tokens; {args.rounds} interleaved rounds, medians\n"
     )
     print("| measurement | arm | tokens/s | ratio to baseline |")
     print("| --- | --- | ---: | ---: |")
@@ -224,14 +251,18 @@ def measure(args, folder: Path):
     for size in args.decode_batches:
         label = f"decode, batch {size}"
         print("\n".join(summarize(label, decode[size], "primary only", arms)))
+        print("\n".join(summarize(f"decode only, batch {size}", decode_only[size], "primary only", arms)))
         limits = {arm: byte_limits(size, aux_top_k) for arm, aux_top_k in AUX_ARMS.items()}
         for arm, limit in limits.items():
             print(
                 f"| {label}, byte limit | {arm} | experts/layer/step: primary {limit['primary experts']:.1f}, "
                 f"primary + aux {limit['primary + aux experts']:.1f} | {limit['byte limit']:.3f} |"
             )
-        vs_hf = {"transformers generate": decode[size]["transformers generate"], "vLLM": decode[size]["aux k_a=k_p"]}
-        print("\n".join(summarize(f"decode, batch {size}, aux k_a=k_p", vs_hf, "transformers generate", list(vs_hf))))
+        if not args.no_transformers:
+            hf = decode[size]["transformers generate"]
+            vs_hf = {"transformers generate": hf, "vLLM": decode[size]["aux k_a=k_p"]}
+            label = f"decode, batch {size}, aux k_a=k_p"
+            print("\n".join(summarize(label, vs_hf, "transformers generate", list(vs_hf))))
     for engine in engines.values():
         engine.llm_engine.engine_core.shutdown()
     gc.collect()
