@@ -63,7 +63,10 @@ def parse_args():
     parser.add_argument(
         "--no-transformers", action="store_true", help="skip transformers' generate (slow at long prompts on a CPU)"
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.decode_tokens < 2:
+        parser.error("--decode-tokens must be at least 2: the decode-only rate counts the tokens after the first")
+    return args
 
 
 def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:

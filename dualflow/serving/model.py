@@ -4,10 +4,13 @@ Dual-Flow causal LM for vLLM (DESIGN §9), built from vLLM's own layers.
 The primary flow is the base model: every scheduled token goes through it and it alone writes the paged KV cache.
 The aux flow runs only at the rows vLLM samples from (each request's last scheduled token in a step, or every draft
 position under speculative decoding). In each layer its rows are stacked under the primary rows, so q/o projections,
-norms, router and experts see both flows in one call (DESIGN §5); its attention is a second, query-only call over the
-same pages: a KV-sharing `Attention` layer that reads the primary layer's cache and writes nothing. vLLM's
-KV-sharing fast-prefill metadata (switched on for this model by `DualFlowEngineConfig`) gives that call exactly the
-sampled rows, so prefill pays the base model plus one aux row per request.
+norms, router and experts see both flows in one call (DESIGN §5); its attention reads the primary layer's cache through a
+KV-sharing `Attention` layer with twice the query heads, which writes nothing. vLLM's KV-sharing fast-prefill
+metadata (switched on for this model by `DualFlowEngineConfig`) gives that layer exactly the sampled rows, so prefill
+pays the base model plus one aux row per request. In a step where every row is sampled (pure decode, speculative
+verification) the aux row sits at its primary row's position, so one call of that layer attends for both flows, the
+primary queries and the aux queries as its 2H heads over pages read once; vLLM traces a model once, so that step runs
+through a second compiled piece over the same layers (`DualFlowEveryRowModel`), chosen per step outside the graph.
 
 After the final norm the aux states replace the primary states at the sampled rows: `compute_logits`, the sampler and
 everything downstream then see the aux prediction there. Other rows (prompt logprobs) keep the primary flow's states,
@@ -40,6 +43,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import _encode_layer_name  # the form vLLM's attention ops take a layer's name in
 
 
 class DualFlowMLP(nn.Module):
@@ -143,14 +147,16 @@ class DualFlowSparseMoeBlock(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, num_primary: int, aux_rows: torch.Tensor | None) -> torch.Tensor:
-        # hidden_states: (T + P, hidden) = [primary rows; aux rows at the primary rows `aux_rows`] (T = 0 and
-        # aux_rows None in an extra aux round)
+        # hidden_states: (T + P, hidden) = [primary rows; aux rows at the primary rows `aux_rows`, or at every primary
+        # row when aux_rows is None] (T = 0 in an extra aux round)
         router_logits, _ = self.gate(hidden_states)
         num_aux = hidden_states.shape[0] - num_primary
         if num_aux == 0 or self.aux_top_k == self.top_k:
             out = self.experts(hidden_states=hidden_states, router_logits=router_logits)
         else:
-            primary_logits = router_logits[aux_rows] if num_primary else None
+            primary_logits = None
+            if num_primary:
+                primary_logits = router_logits[:num_primary] if aux_rows is None else router_logits[aux_rows]
             chunk_logits, chunk_sums = aux_chunk_logits(
                 router_logits[num_primary:], self.top_k, self.aux_top_k, self.norm_topk_prob, primary_logits
             )
@@ -194,9 +200,23 @@ def aux_adapter(config, in_features: int, out_features: int, sharded: str | None
     return DualFlowAuxAdapter(in_features, out_features, config.aux_adapter_rank, sharded, prefix)
 
 
+def stack_heads(first: torch.Tensor, second: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(N, H * d) twice -> (N, 2H * d): per KV head its H / Hkv heads of `first`, then as many of `second`, so that an
+    attention call with 2H heads over Hkv KV heads gives both sets the KV heads they have in an H-head call."""
+    rows = first.shape[0]
+    return torch.cat([first.view(rows, num_kv_heads, -1), second.view(rows, num_kv_heads, -1)], dim=2).view(rows, -1)
+
+
+def split_heads(stacked: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `stack_heads` on an attention output: (N, 2H * d) -> two (N, H * d)."""
+    rows = stacked.shape[0]
+    first, second = stacked.view(rows, num_kv_heads, 2, -1).unbind(dim=2)
+    return first.reshape(rows, -1), second.reshape(rows, -1)
+
+
 class DualFlowAttention(nn.Module):
     """q/k/v and o projections over [primary; aux] rows; the primary rows attend and fill the cache, the aux rows
-    attend through `aux_attn` (built by the model), which reads the same cache."""
+    attend through `aux_attn` (`aux_paged_attention`, built by the model), which reads the same cache."""
 
     def __init__(self, config, cache_config, quant_config, prefix: str = ""):
         super().__init__()
@@ -242,20 +262,51 @@ class DualFlowAttention(nn.Module):
             quant_config=quant_config,
             per_layer_sliding_window=config.sliding_window,
         )
-        self.attn = self.paged_attention(f"{prefix}.attn")
-
-    def paged_attention(self, prefix: str, **kwargs) -> Attention:
-        """vLLM's attention over the paged KV cache with this layer's heads (kwargs: e.g. KV sharing)."""
-        return Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, prefix=prefix, **self.attention_args, **kwargs
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, prefix=f"{prefix}.attn", **self.attention_args
         )
+
+    def aux_paged_attention(self, prefix: str) -> Attention:
+        """The aux flow's attention: 2H query heads (`stack_heads`: the primary queries or zeros, then the aux queries)
+        over this layer's cache, which it reads and never writes (KV sharing)."""
+        return Attention(
+            2 * self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            prefix=prefix,
+            kv_sharing_target_layer_name=self.attn.layer_name,
+            **self.attention_args,
+        )
+
+    def can_attend_both_flows_at_once(self) -> bool:
+        """Whether `_attend_both_flows` can run here: the backend writes the cache in its own op, and queries are not
+        quantised inside the attention layer (fp8 KV cache); otherwise every step takes the two-call path."""
+        return not self.attn.attn_backend.forward_includes_kv_cache_update and self.attn.query_quant is None
 
     def _norm_per_head(self, states: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         by_head = states.view(*states.shape[:-1], -1, self.head_dim)
         return norm(by_head).view(states.shape)
 
-    def forward(self, positions, hidden_states, num_primary: int, aux_attn: Attention | None) -> torch.Tensor:
-        # hidden_states: (T + P, hidden), normed; positions: (T + P,)
+    def _attend_both_flows(self, q, k, v, num_primary: int, aux_attn: Attention) -> torch.Tensor:
+        """Every row sampled: aux row i sits at primary row i's position. Write the primary K/V, then attend both
+        flows' queries as 2H heads in one call of `aux_attn`: the cache pages are read once per layer for both."""
+        rows, head_dim = num_primary, self.head_dim
+        key = k[:rows].view(rows, self.num_kv_heads, head_dim)
+        value = v[:rows].view(rows, self.num_kv_heads, head_dim)
+        written = torch.ops.vllm.unified_kv_cache_update(key, value, _encode_layer_name(self.attn.layer_name))
+        query = stack_heads(q[:rows], q[rows:], self.num_kv_heads).view(rows, -1, head_dim)
+        output = torch.empty_like(query)
+        # The dependency on `written` keeps the compiled graph from reading the pages before this step's K/V is in.
+        torch.ops.vllm.unified_attention_with_output(
+            query, key, value, output, _encode_layer_name(aux_attn.layer_name), kv_cache_dummy_dep=written
+        )
+        return torch.cat(split_heads(output.view(rows, -1), self.num_kv_heads))
+
+    def forward(
+        self, positions, hidden_states, num_primary: int, aux_attn: Attention | None, every_row_sampled: bool = False
+    ) -> torch.Tensor:
+        # hidden_states: (T + P, hidden), normed; positions: (T + P,); every_row_sampled: P = T, aux row i at primary
+        # row i (a Python constant of the compiled piece, not a per-step branch)
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.aux_q_adapter is not None:  # on the projection, before norms and clipping (as in transformers)
@@ -267,13 +318,19 @@ class DualFlowAttention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self._norm_per_head(q, self.q_norm), self._norm_per_head(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
-        outputs = []
-        if num_primary:  # 0 in an extra aux round: the cache already holds this step's primary K/V
-            outputs.append(self.attn(q[:num_primary], k[:num_primary], v[:num_primary]))
-        if hidden_states.shape[0] > num_primary:
-            # The aux rows' k/v are never written: a KV-sharing layer only reads its target's cache.
-            outputs.append(aux_attn(q[num_primary:], k[num_primary:], v[num_primary:]))
-        attn_output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        if aux_attn is not None and every_row_sampled and num_primary:
+            attn_output = self._attend_both_flows(q, k, v, num_primary, aux_attn)
+        else:
+            outputs = []
+            if num_primary:  # 0 in an extra aux round: the cache already holds this step's primary K/V
+                outputs.append(self.attn(q[:num_primary], k[:num_primary], v[:num_primary]))
+            if aux_attn is not None:
+                # Only some rows sampled (or an extra round): the aux queries alone, zeros in the primary heads. The
+                # aux rows' k/v are never written: a KV-sharing layer only reads its target's cache.
+                q_aux = q[num_primary:]
+                query = stack_heads(torch.zeros_like(q_aux), q_aux, self.num_kv_heads)
+                outputs.append(split_heads(aux_attn(query, k[num_primary:], v[num_primary:]), self.num_kv_heads)[1])
+            attn_output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
         output, _ = self.o_proj(attn_output)
         if self.aux_o_adapter is not None:
             output = self.aux_o_adapter(output, attn_output, num_primary)
@@ -307,15 +364,26 @@ class DualFlowDecoderLayer(nn.Module):
         )
 
     def forward(
-        self, positions, hidden_states, num_primary: int, aux_attn, primary_entering, aux_rows=None, extra_round=False
+        self,
+        positions,
+        hidden_states,
+        num_primary: int,
+        aux_attn,
+        primary_entering,
+        aux_rows=None,
+        every_row_sampled=False,
+        extra_round=False,
     ):
-        # hidden_states: (T + P, hidden) = [primary rows; aux rows at the primary rows `aux_rows`], or the P aux rows
-        # alone in an extra aux round; primary_entering: (P, hidden), the primary state that entered this layer there
+        # hidden_states: (T + P, hidden) = [primary rows; aux rows at the primary rows `aux_rows` (every row when
+        # every_row_sampled)], or the P aux rows alone in an extra aux round; primary_entering: (P, hidden), the
+        # primary state that entered this layer there
         layer_input = hidden_states
         if primary_entering is not None:
             coupled = self.aux_coupling.weight * primary_entering
             hidden_states = torch.cat([hidden_states[:num_primary], hidden_states[num_primary:] + coupled])
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary, aux_attn)
+        attn_out = self.self_attn(
+            positions, self.input_layernorm(hidden_states), num_primary, aux_attn, every_row_sampled
+        )
         normed, hidden_states = self.post_attention_layernorm(attn_out, hidden_states)  # fused residual add + norm
         is_moe = isinstance(self.mlp, DualFlowSparseMoeBlock)
         mlp_out = self.mlp(normed, num_primary, aux_rows) if is_moe else self.mlp(normed)
@@ -331,6 +399,9 @@ class DualFlowDecoderLayer(nn.Module):
     dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0, "aux_rows": 0}
 )
 class DualFlowModel(nn.Module):
+    """The weights (the checkpoint's names) and the compiled piece for steps in which vLLM samples some rows only
+    (prefill, mixed steps) or the primary flow runs alone."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -352,26 +423,32 @@ class DualFlowModel(nn.Module):
             # Built after every primary attention layer: vLLM hands its fast-prefill (sampled rows only) metadata to
             # the trailing run of KV-sharing layers in construction order.
             self.aux_attn = nn.ModuleList(
-                layer.self_attn.paged_attention(
-                    f"{prefix}.aux_attn.{i}", kv_sharing_target_layer_name=layer.self_attn.attn.layer_name
-                )
-                for i, layer in enumerate(self.layers)
+                layer.self_attn.aux_paged_attention(f"{prefix}.aux_attn.{i}") for i, layer in enumerate(self.layers)
             )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def sampled_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
-        """Rows of this step's tokens whose logits vLLM samples from, as the aux attention metadata sees them (None
-        without the aux flow). Read outside the compiled forward: it depends on the step's metadata, not on tensors."""
-        if not self.use_aux_flow:
-            return None
+    def sampled_rows(self, num_tokens: int) -> torch.Tensor | None:
+        """
+        Rows of this step's tokens whose logits vLLM samples from, as the aux attention metadata sees them; None when
+        it samples every row (pure decode, speculative verification, `aux_at_every_prompt_position`) or the step is a
+        dummy run without metadata. Read outside the compiled pieces: it depends on the step's metadata, not on
+        tensors.
+        """
         metadata = get_forward_context().attn_metadata
-        aux_metadata = metadata.get(self.aux_attn[0].layer_name) if isinstance(metadata, dict) else None
+        if isinstance(metadata, list):  # speculative decoding: [0] is the target model's
+            metadata = metadata[0]
+        if not isinstance(metadata, dict):
+            return None
+        aux_metadata = metadata.get(self.aux_attn[0].layer_name)
         indices = getattr(aux_metadata, "logits_indices_padded", None)
-        # Not armed (dummy / profiling runs) or a pure-decode step: the aux metadata covers every row.
-        if indices is None or aux_metadata.num_actual_tokens == num_tokens:
-            return torch.arange(num_tokens, device=device)
+        # Fast prefill off, or a step whose every scheduled token is sampled (padding for graphs aside).
+        primary_metadata = metadata.get(self.layers[0].self_attn.attn.layer_name)
+        if indices is None or aux_metadata.num_actual_tokens == getattr(
+            primary_metadata, "num_actual_tokens", num_tokens
+        ):
+            return None
         return indices.long()
 
     def forward(
@@ -383,33 +460,83 @@ class DualFlowModel(nn.Module):
         aux_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # aux_rows: (P,) rows whose next token is sampled (`sampled_rows`); None runs the primary flow alone
+        return self.run_layers(input_ids, positions, inputs_embeds, aux_rows, every_row_sampled=False)
+
+    def run_layers(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None,
+        aux_rows: torch.Tensor | None,
+        every_row_sampled: bool,
+    ) -> torch.Tensor:
+        """
+        Both flows through every layer. The aux flow runs at the primary rows `aux_rows`, or at every row when
+        every_row_sampled (then aux_rows is None and attention reads the pages once for both flows); with neither,
+        the primary flow runs alone. Returns the final states, the aux flow's where it ran.
+        """
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         num_primary = hidden_states.shape[0]
-        if aux_rows is not None:
+        with_aux = every_row_sampled or aux_rows is not None
+        if with_aux:
             if input_ids is None:
                 raise ValueError(
                     "The Dual-Flow aux flow embeds token ids with its own table: inputs_embeds need use_aux_flow=False"
                 )
-            hidden_states = torch.cat([hidden_states, self.aux_embed_tokens(input_ids[aux_rows])])
-            positions = torch.cat([positions, positions[aux_rows]])
-        aux_attns = self.aux_attn if aux_rows is not None else [None] * len(self.layers)
+            aux_ids, aux_positions = (
+                (input_ids, positions) if aux_rows is None else (input_ids[aux_rows], positions[aux_rows])
+            )
+            hidden_states = torch.cat([hidden_states, self.aux_embed_tokens(aux_ids)])
+            positions = torch.cat([positions, aux_positions])
+        aux_attns = self.aux_attn if with_aux else [None] * len(self.layers)
         entering = []  # per layer, the primary state entering it at the aux rows
         for layer, aux_attn in zip(self.layers, aux_attns):
-            entering.append(hidden_states[aux_rows] if aux_rows is not None else None)
-            hidden_states = layer(positions, hidden_states, num_primary, aux_attn, entering[-1], aux_rows)
-        if aux_rows is not None and self.aux_num_rounds > 1:
+            if with_aux:
+                entering.append(hidden_states[:num_primary] if aux_rows is None else hidden_states[aux_rows])
+            else:
+                entering.append(None)
+            hidden_states = layer(
+                positions, hidden_states, num_primary, aux_attn, entering[-1], aux_rows, every_row_sampled
+            )
+        if not with_aux:
+            return self.norm(hidden_states)
+        aux_states = hidden_states[num_primary:]
+        if self.aux_num_rounds > 1:
             # Rounds 2..R: the aux rows alone pass through every layer again, coupled to the same primary states and
             # reading the same cached primary K/V; nothing is written.
-            aux_states, aux_positions = hidden_states[num_primary:], positions[num_primary:]
             for _ in range(self.aux_num_rounds - 1):
                 for layer, aux_attn, primary_entering in zip(self.layers, self.aux_attn, entering):
-                    aux_states = layer(aux_positions, aux_states, 0, aux_attn, primary_entering, extra_round=True)
-            hidden_states = torch.cat([hidden_states[:num_primary], aux_states])
-        hidden_states = self.norm(hidden_states)
-        if aux_rows is None:
-            return hidden_states
+                    aux_states = layer(
+                        positions[num_primary:], aux_states, 0, aux_attn, primary_entering, extra_round=True
+                    )
+        if aux_rows is None:  # every row predicts with the aux flow
+            return self.norm(aux_states)
         # The sampled rows predict with the aux flow; every other row keeps the primary prediction.
+        hidden_states = self.norm(torch.cat([hidden_states[:num_primary], aux_states]))
         return hidden_states[:num_primary].index_copy(0, aux_rows, hidden_states[num_primary:])
+
+
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
+class DualFlowEveryRowModel(nn.Module):
+    """
+    The compiled piece for steps in which vLLM samples every row: `model`'s layers, attention in one call per layer
+    for both flows. A separate piece because vLLM traces each compiled module once; it holds no weights of its own.
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: DualFlowModel):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model.run_layers(input_ids, positions, inputs_embeds, None, every_row_sampled=True)
 
 
 class DualFlowForCausalLM(nn.Module):
@@ -434,6 +561,15 @@ class DualFlowForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.model = DualFlowModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.every_row_model = None
+        if config.use_aux_flow and self.model.layers[0].self_attn.can_attend_both_flows_at_once():
+            # Imported where it is used, as vLLM's Gemma3n does (its note: a module-level import broke vLLM's tests).
+            from vllm.compilation.backends import set_model_tag
+
+            with set_model_tag("dualflow_every_row_sampled"):  # its own compiled graph and cache entry
+                self.every_row_model = DualFlowEveryRowModel(
+                    vllm_config=vllm_config, prefix=maybe_prefix(prefix, "every_row_model"), model=self.model
+                )
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
@@ -449,9 +585,19 @@ class DualFlowForCausalLM(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if not self.config.use_aux_flow:
+            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         num_tokens = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
-        aux_rows = self.model.sampled_rows(num_tokens, positions.device)
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, aux_rows)
+        aux_rows = self.model.sampled_rows(num_tokens)
+        if aux_rows is not None:
+            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, aux_rows)
+        every_row = torch.arange(num_tokens, device=positions.device)
+        if self.every_row_model is None:
+            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, every_row)
+        if get_forward_context().attn_metadata is None:
+            # A dummy run (warm-up, profiling, graph capture): compile and warm the other piece as well.
+            self.model(input_ids, positions, intermediate_tensors, inputs_embeds, every_row)
+        return self.every_row_model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

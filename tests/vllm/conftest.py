@@ -16,6 +16,8 @@ if "vllm" not in packages_distributions():
 
 # The KV cache of a CPU engine, in GiB; the default would reserve a large share of this machine's memory.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# `LLM.apply_model` sends a test module's function to the engine process (pickled): tests read the served model.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 import pytest  # noqa: E402

@@ -61,3 +61,40 @@ def test_prefix_cache_hits_match_transformers(engine, reference):
     outputs = served_greedy(engine, later, MAX_NEW)
     assert all(output.num_cached_tokens >= 64 for output in outputs)  # two full 32-token blocks of the prefix
     assert_matches_transformers(outputs, later, reference, MAX_NEW)
+
+
+def record_attention_calls(model):
+    """In the engine process: every real (metadata-carrying) attention kernel call from now on, as (layer, query rows,
+    query heads), in `model.attention_calls`. The kernels run unchanged."""
+    from vllm.model_executor.layers.attention import Attention
+
+    model.attention_calls = calls = []
+    for module in model.modules():
+        if isinstance(module, Attention):
+
+            def recorded(layer, query, key, value, kv_cache, metadata, *args, _kernel=module.impl.forward, **kwargs):
+                if metadata is not None:
+                    calls.append((layer.layer_name, query.shape[0], query.shape[1]))
+                return _kernel(layer, query, key, value, kv_cache, metadata, *args, **kwargs)
+
+            module.impl.forward = recorded
+
+
+def recorded_attention_calls(model):
+    return model.attention_calls
+
+
+def test_decode_reads_the_cache_once_per_layer(engine, reference):
+    """A decode step attends for both flows in one call per layer (2H query heads over the primary layer's pages):
+    the primary layers' kernels run only in the prefill step, the aux layers' in every step."""
+    engine.apply_model(record_attention_calls)
+    prompt = random_prompts([11], seed=4)
+    assert_matches_transformers(served_greedy(engine, prompt, MAX_NEW), prompt, reference, MAX_NEW)
+    calls = engine.apply_model(recorded_attention_calls)[0]
+    config = reference.config
+    for i in range(config.num_hidden_layers):
+        primary = [call[1:] for call in calls if call[0] == f"model.layers.{i}.self_attn.attn"]
+        aux = [call[1:] for call in calls if call[0] == f"model.aux_attn.{i}"]
+        assert primary == [(11, config.num_attention_heads)]  # the prompt, once
+        # the prompt's last row, then one row per decode step, each with both flows' heads
+        assert aux == [(1, 2 * config.num_attention_heads)] * MAX_NEW
