@@ -207,11 +207,10 @@ def stack_heads(first: torch.Tensor, second: torch.Tensor, num_kv_heads: int) ->
     return torch.cat([first.view(rows, num_kv_heads, -1), second.view(rows, num_kv_heads, -1)], dim=2).view(rows, -1)
 
 
-def split_heads(stacked: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of `stack_heads` on an attention output: (N, 2H * d) -> two (N, H * d)."""
+def split_heads(stacked: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """The inverse of `stack_heads` on an attention output, in one copy: (N, 2H * d) -> (2, N, H * d)."""
     rows = stacked.shape[0]
-    first, second = stacked.view(rows, num_kv_heads, 2, -1).unbind(dim=2)
-    return first.reshape(rows, -1), second.reshape(rows, -1)
+    return stacked.view(rows, num_kv_heads, 2, -1).permute(2, 0, 1, 3).reshape(2, rows, -1)
 
 
 class DualFlowAttention(nn.Module):
@@ -300,7 +299,7 @@ class DualFlowAttention(nn.Module):
         torch.ops.vllm.unified_attention_with_output(
             query, key, value, output, _encode_layer_name(aux_attn.layer_name), kv_cache_dummy_dep=written
         )
-        return torch.cat(split_heads(output.view(rows, -1), self.num_kv_heads))
+        return split_heads(output.view(rows, -1), self.num_kv_heads).flatten(0, 1)  # [primary rows; aux rows]
 
     def forward(
         self, positions, hidden_states, num_primary: int, aux_attn: Attention | None, every_row_sampled: bool = False
