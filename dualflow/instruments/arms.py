@@ -69,14 +69,24 @@ class Arm:
         return f" h{self.training['hidden_size']}" if "hidden_size" in self.training else ""
 
     @property
+    def tokens_suffix(self) -> str:
+        """ " {f}x tokens" for an arm trained on f > 1 times the scale's tokens, else ""."""
+        factor = self.training.get("token_factor", 1)
+        return f" {factor}x tokens" if factor > 1 else ""
+
+    @property
     def baseline_name(self) -> str:
-        """The single-flow k2 arm this arm's gains are paired against: the one of its own size."""
-        return BASELINE.name + self.size_suffix
+        """
+        The single-flow k2 arm this arm's gains are paired against: the one of its own size and token budget. The
+        budget's baseline itself is paired against the baseline at 1x (what the extra tokens buy).
+        """
+        budget_baseline = BASELINE.name + self.size_suffix + self.tokens_suffix
+        return BASELINE.name + self.size_suffix if self.name == budget_baseline else budget_baseline
 
     @property
     def depth_name(self) -> str:
-        """The 2x-depth arm of its own size (the gain a share is measured against)."""
-        return DEPTH_ARM + self.size_suffix
+        """The 2x-depth arm of its own size and token budget (the gain a share is measured against)."""
+        return DEPTH_ARM + self.size_suffix + self.tokens_suffix
 
     def model_config(self, scale: TinyScale) -> "DualFlowConfig":
         from .tiny_lm import tiny_moe_config  # torch loads when an arm runs, not for `--help`
@@ -263,7 +273,47 @@ SIZE_ARMS = tuple(
         ),
     )
 )
-ARMS = ARMS + FRACTION_ARMS + SIZE_ARMS
+# The token-scaling study: the baseline, 2x depth, a new model's default and the best design, each trained on 2x and
+# 4x the scale's tokens (the 1x arms are the ones above; "single k2 2x tokens" is the 2x baseline).
+TOKEN_BUDGETS = (2, 4)
+TOKEN_STUDY = {  # role: the arm at 1x; at f x tokens the arm named name + " {f}x tokens"
+    "baseline": BASELINE.name,
+    "depth": "single k2 2x depth",
+    "new model default": "dual kp2 ka4 aux emb copied",
+    "best design": f"dual kp2 ka4 {BEST_SUFFIX}",
+}
+TOKEN_ARMS = tuple(
+    arm
+    for factor in TOKEN_BUDGETS
+    for arm in (
+        single(2, f"single k2 {factor}x tokens", f"tokens: {factor}x the training tokens", token_factor=factor),
+        single(
+            2,
+            f"single k2 2x depth {factor}x tokens",
+            f"tokens: 2x depth on {factor}x the training tokens",
+            depth_factor=2,
+            token_factor=factor,
+        ),
+        dual(
+            2,
+            4,
+            f"aux emb copied {factor}x tokens",
+            f"tokens: a new model's default on {factor}x the training tokens",
+            {"token_factor": factor},
+            aux_embed_init="copy",
+        ),
+        dual(
+            2,
+            4,
+            f"{BEST_SUFFIX} {factor}x tokens",
+            f"tokens: the best design on {factor}x the training tokens",
+            {"token_factor": factor},
+            **BEST_DESIGN,
+        ),
+    )
+    if arm.name != "single k2 2x tokens"  # in ARMS already
+)
+ARMS = ARMS + FRACTION_ARMS + SIZE_ARMS + TOKEN_ARMS
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
 DEPTH_ARM = "single k2 2x depth"
 DESIGN_REFERENCE = "dual kp2 ka4"  # today's default, which each design variant changes in one way
@@ -287,6 +337,9 @@ ARM_GROUPS = {
     + tuple(arm.name for arm in ARMS if arm.role.startswith("design")),
     "fraction": ("single k2",) + tuple(arm.name for arm in FRACTION_ARMS),
     "size": ("single k2",) + tuple(arm.name for arm in SIZE_ARMS),
+    # seed-major runs go cheapest budget first, so a run cut short still has whole budgets
+    "tokens": tuple(TOKEN_STUDY.values())
+    + tuple(name + f" {factor}x tokens" for factor in TOKEN_BUDGETS for name in TOKEN_STUDY.values()),
 }
 
 
