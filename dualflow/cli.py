@@ -1,8 +1,8 @@
 """
 `dualflow` command line. Each subcommand lives in its own module exposing `build_parser(prog)` and `run(args)`; only
 the module of the command being run is imported, and it imports torch and transformers only in `run`, so `--help` and
-argument errors are instant. A DualFlowUserError (the user's mistake) or Ctrl-C ends in one line; any other exception
-is a bug in our code and keeps its traceback.
+argument errors are instant. A DualFlowUserError (the user's mistake), Ctrl-C or SIGTERM (`kill`, `timeout`, a job
+scheduler) ends in one line; any other exception is a bug in our code and keeps its traceback.
 """
 
 import argparse
@@ -10,7 +10,7 @@ import importlib
 import sys
 from importlib.metadata import version
 
-from .errors import DualFlowUserError
+from .errors import DualFlowUserError, sigterm_as_interrupt
 
 
 # name: (module, one-line help)
@@ -53,17 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints the help or the usage error and exits
     command = argv[0]
-    try:
-        module = importlib.import_module(COMMANDS[command][0])
-        args = module.build_parser(f"dualflow {command}").parse_args(argv[1:])
-        return module.run(args) or 0
-    except DualFlowUserError as error:
-        print(f"dualflow {command}: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as interrupt:  # Ctrl-C: what was kept, if anything, and no traceback
-        new_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C (or a progress bar's last line)
-        print(f"{new_line}dualflow {command}: interrupted{f'; {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
-        return 130
+    with sigterm_as_interrupt() as sigterm:
+        try:
+            module = importlib.import_module(COMMANDS[command][0])
+            args = module.build_parser(f"dualflow {command}").parse_args(argv[1:])
+            return module.run(args) or 0
+        except DualFlowUserError as error:
+            print(f"dualflow {command}: error: {error}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: what was kept, if anything, and no traceback
+            new_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C (or a progress bar's last line)
+            how, status = ("terminated (SIGTERM)", 143) if sigterm.received else ("interrupted", 130)
+            print(f"{new_line}dualflow {command}: {how}{f'; {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
+            return status
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """
 Output folders that appear only when complete (`dualflow convert`, `dualflow finetune`): everything is written into a
-hidden sibling folder, which is renamed into place at the end; an error or Ctrl-C removes it and leaves no `out`.
+hidden sibling folder, which is renamed into place at the end; an error, Ctrl-C or SIGTERM removes it and leaves no
+`out`.
 """
 
 import errno
@@ -9,7 +10,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import DualFlowUserError
+from .errors import DualFlowUserError, sigterm_as_interrupt
 
 
 # Errors while writing that describe the user's file system, not a bug in our code: a one-line error naming `out`.
@@ -53,14 +54,15 @@ def staged_folder(out):
         staging.mkdir()
     except OSError as error:  # a read-only file system, no permission, a file where a folder should be, ...
         raise _cannot_write(out, error) from None
-    try:
-        yield staging
-        _publish(staging, out)
-    except OSError as error:
-        shutil.rmtree(staging, ignore_errors=True)
-        if error.errno in FILE_SYSTEM_ERRNOS:
-            raise _cannot_write(out, error) from None
-        raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with sigterm_as_interrupt():  # also while cleaning up: a second SIGTERM is ignored then
+        try:
+            yield staging
+            _publish(staging, out)
+        except OSError as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            if error.errno in FILE_SYSTEM_ERRNOS:
+                raise _cannot_write(out, error) from None
+            raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise

@@ -304,16 +304,36 @@ def test_unwritable_output_folder_is_one_line_error(tmp_path, where):
     assert not out.exists()
 
 
-def test_ctrl_c_during_convert_is_one_line_and_leaves_nothing(tmp_path):
+CONVERT_IN_PYTHON = (
+    "import sys\nfrom dualflow.convert import convert_checkpoint\nconvert_checkpoint(*sys.argv[1:], verify=True)"
+)
+
+
+@pytest.mark.parametrize(
+    "signum, entry",
+    [(signal.SIGINT, "cli"), (signal.SIGTERM, "cli"), (signal.SIGTERM, "python")],
+    ids=["ctrl-c", "sigterm", "sigterm-python"],
+)
+def test_interrupted_convert_is_one_line_and_leaves_nothing(tmp_path, signum, entry):
     src = save_source(make_source("mixtral"), tmp_path / "src", "single")
-    command = [sys.executable, "-m", "dualflow.cli", "convert", str(src), str(tmp_path / "out"), "--verify"]
+    if entry == "cli":
+        command = [sys.executable, "-m", "dualflow.cli", "convert", str(src), str(tmp_path / "out"), "--verify"]
+    else:  # convert_checkpoint called by a program of the user's: its staging folder is removed too
+        command = [sys.executable, "-c", CONVERT_IN_PYTHON, str(src), str(tmp_path / "out")]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # --verify loads and runs both models after the folder is written: seconds in which to press Ctrl-C.
+    # --verify loads and runs both models after the folder is written: seconds in which to press Ctrl-C / kill it.
     while not any(tmp_path.glob(".out.partial-*/config.json")):
         assert process.poll() is None, process.communicate()
         time.sleep(0.02)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=300)
-    assert process.returncode == 130
-    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == "dualflow convert: interrupted"
     assert [path.name for path in tmp_path.iterdir()] == ["src"]
+    if entry == "cli":
+        expected = (130, "interrupted") if signum == signal.SIGINT else (143, "terminated (SIGTERM)")
+        assert (process.returncode, stderr.strip().splitlines()[-1]) == (
+            expected[0],
+            f"dualflow convert: {expected[1]}",
+        )
+        assert "Traceback" not in stderr
+    else:
+        assert "DualFlowTerminated" in stderr
