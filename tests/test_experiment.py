@@ -353,3 +353,38 @@ def test_a_fraction_wins_only_with_90_percent_of_its_gain_at_most_1_3x_the_cost(
     assert quarter["wins"] and not rows[f"{best} f0.5"]["wins"]  # half the gain at 1.43x
     every_position = summary[1]["train_flops_per_token"] / summary[0]["train_flops_per_token"]
     assert 1 < quarter["train_cost_flops"] < rows[f"{best} f0.5"]["train_cost_flops"] < every_position
+
+
+def test_token_study_pairs_each_budget_with_its_own_baseline_and_interpolates_iso_token_ratios(tmp_path):
+    from dualflow.instruments.plots import plot_token_scaling
+    from dualflow.instruments.report import format_token_table, token_study
+
+    default, best = "dual kp2 ka4 aux emb copied", "dual kp2 ka4 r2 gate 1 aux emb copied plw 0.5"
+    losses = {  # per budget: baseline, 2x depth, a new model's default, the best design (seeds 0 and 1)
+        1: ([2.0, 2.2], [1.9, 2.1], [1.9, 2.1], [1.95, 2.15]),
+        2: ([1.8, 2.0], [1.7, 1.9], [1.75, 1.95], [1.7, 1.9]),
+        4: ([1.6, 1.8], [1.55, 1.75], [1.58, 1.79], [1.5, 1.7]),
+    }
+    results = {}
+    for factor, arm_losses in losses.items():
+        for name, values in zip(("single k2", "single k2 2x depth", default, best), arm_losses):
+            results[name if factor == 1 else f"{name} {factor}x tokens"] = runs_of(values, tokens_per_cpu_s=100.0)
+    summary = summarize([ARMS_BY_NAME[name] for name in results], DEFAULT_SCALE, results)
+    by_name = {entry["name"]: entry for entry in summary}
+    assert by_name["single k2 4x tokens"]["val_loss_delta"]["vs"] == "single k2"  # what 4x tokens buy
+    assert by_name[f"{best} 4x tokens"]["val_loss_delta"]["vs"] == "single k2 4x tokens"
+    rows = token_study(summary, results, DEFAULT_SCALE)
+    assert [row["token_factor"] for row in rows] == [1, 2, 4]
+    assert rows[2]["train_tokens"] == 4 * DEFAULT_SCALE.steps * DEFAULT_SCALE.batch_size * DEFAULT_SCALE.block_size
+    one, four = rows[0]["new model default"], rows[2]["best design"]
+    # 1.9 lies halfway between the baseline's 1x (2.0) and 2x (1.8) losses: 2^0.5 x the tokens
+    assert one["iso_token_ratio"]["mean"] == pytest.approx(2**0.5) and not one["iso_token_ratio_extrapolated"]
+    # 1.5 lies below the 4x loss (1.6): the 2x-4x segment extended, 2^2.5 tokens, over a budget of 4
+    assert four["iso_token_ratio"]["mean"] == pytest.approx(2**2.5 / 4) and four["iso_token_ratio_extrapolated"]
+    assert four["delta"]["mean"] == pytest.approx(-0.1)
+    assert four["retention_vs_1x"]["ratio"] == pytest.approx(0.1 / 0.05)
+    assert four["depth_gain_share"]["share"] == pytest.approx(0.1 / 0.05)
+    assert "extrapolated" in format_token_table(rows)
+    plot_token_scaling({"arms": summary, "token_study": rows}, tmp_path / "tokens.png")
+    assert (tmp_path / "tokens.png").read_bytes().startswith(PNG_MAGIC)
+    assert token_study(summary[:4], results, DEFAULT_SCALE) == []  # a single budget is no study

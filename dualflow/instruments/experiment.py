@@ -16,18 +16,20 @@ from pathlib import Path
 
 from ..errors import DualFlowUserError
 from .arms import ARM_GROUPS, ARMS, ARMS_BY_NAME, BASELINE, DEFAULT_SCALE, FLOPS_FORMULA, QUICK_SCALE, select_arms
-from .plots import plot_depth_share_vs_size, plot_frontier, plot_loss_curves, pyplot
+from .plots import plot_depth_share_vs_size, plot_frontier, plot_loss_curves, plot_token_scaling, pyplot
 from .report import (
     SCHEMA,
     command_line,
     format_fraction_table,
     format_size_table,
     format_table,
+    format_token_table,
     fraction_study,
     previous_runs,
     print_footer,
     size_study,
     summarize,
+    token_study,
 )
 
 
@@ -145,6 +147,8 @@ def run(args) -> int:
         report["size_table"] = format_size_table(report["size_study"])
         report["fraction_study"] = fraction_study(report["arms"], results)
         report["fraction_table"] = format_fraction_table(report["fraction_study"])
+        report["token_study"] = token_study(report["arms"], results, scale)
+        report["token_table"] = format_token_table(report["token_study"])
         (out / "experiment.json").write_text(json.dumps(report, indent=1))
 
     def on_run(results):  # a partial report after every run: a long run that is cut short keeps its results
@@ -160,8 +164,11 @@ def run(args) -> int:
     if len(report["size_study"]) > 1:
         written.append(out / "depth_share_vs_size.png")
         plot_depth_share_vs_size(report["size_study"], written[-1])
+    if report["token_study"]:
+        written.append(out / "token_scaling.png")
+        plot_token_scaling(report, written[-1])
     print(report["table"])
-    for table in ("size_table", "fraction_table"):
+    for table in ("size_table", "fraction_table", "token_table"):
         if report[table.replace("table", "study")]:
             print(f"\n{report[table]}")
     print(

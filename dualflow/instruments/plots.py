@@ -21,6 +21,13 @@ def pyplot():
 
 
 def plot_compare(report: dict, path) -> None:
+    """Write `compare_figure(report)` as a PNG."""
+    fig = compare_figure(report)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def compare_figure(report: dict):
     """Prefill latency by prompt length, decode throughput by batch size and validation loss, per variant."""
     plt = pyplot()
     metrics = report["metrics"]
@@ -48,8 +55,7 @@ def plot_compare(report: dict, path) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"dualflow compare: {report['model']} ({report['device']}, {report['dtype']})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -154,6 +160,40 @@ def plot_depth_share_vs_size(rows: list[dict], path) -> None:
     ax.set_title("Dual-Flow's share of the 2x-depth gain by model size (paired seeds)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_token_scaling(report: dict, path) -> None:
+    """
+    The token study: each arm's validation loss against its training tokens (log x, mean ± SE over seeds), and each
+    arm's training cost per token beside it (CPU seconds per 1k tokens, one thread a run).
+    """
+    from .arms import TOKEN_STUDY
+    from .report import budget_name
+
+    plt = pyplot()
+    by_name = {arm["name"]: arm for arm in report["arms"]}
+    rows = report["token_study"]
+    fig, (losses, costs) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    for index, (role, name) in enumerate(TOKEN_STUDY.items()):
+        arms = [by_name[budget_name(name, row["token_factor"])] for row in rows]
+        tokens = [row["train_tokens"] for row in rows]
+        mean = [arm["val_loss"]["mean"] for arm in arms]
+        error = [arm["val_loss"]["se"] or 0.0 for arm in arms]
+        losses.errorbar(
+            tokens, mean, yerr=error, marker="o", capsize=3, color=arm_color(index), label=f"{role}: {name}"
+        )
+        costs.bar(index, 1000 / arms[0]["tokens_per_cpu_s"], color=arm_color(index))
+    losses.set(xscale="log", xlabel="training tokens", ylabel="validation loss (nats/token)")
+    losses.set_xticks([row["train_tokens"] for row in rows], [f"{row['token_factor']}x" for row in rows])
+    losses.minorticks_off()
+    losses.set_title("Loss vs training tokens (mean ± SE over seeds)")
+    losses.legend(fontsize=7)
+    costs.set_xticks(range(len(TOKEN_STUDY)), list(TOKEN_STUDY), rotation=20, ha="right")
+    costs.set(ylabel="training CPU-s per 1k tokens")
+    costs.set_title("Training cost per token")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

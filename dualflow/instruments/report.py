@@ -1,13 +1,14 @@
 """The report of `dualflow experiment`: the JSON (read back for --resume), per-arm summaries, the studies, tables."""
 
 import json
+import math
 import shlex
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import DualFlowUserError
-from .arms import BASELINE, DESIGN_REFERENCE, FRACTION_REFERENCE, SIZE_STUDY, arm_costs
+from .arms import BASELINE, DESIGN_REFERENCE, FRACTION_REFERENCE, SIZE_STUDY, TOKEN_BUDGETS, TOKEN_STUDY, arm_costs
 from .scale import TinyScale
 from .stats import depth_gain_share, format_error, mean_and_error, paired_differences, ratio_and_error
 from .tables import text_table
@@ -16,6 +17,8 @@ from .tables import text_table
 SCHEMA = "dualflow-experiment/2"
 COST_TARGET = 1.3  # training cost per token of a fraction arm, in single-flow k2 units
 GAIN_TARGET = 0.9  # share of the same design's gain at every position
+DEPTH_SHARE_TARGET = 0.75  # token study: a design's share of 2x depth's gain at some budget
+RETENTION_TARGET = 0.5  # token study: a design's gain at the largest budget over its gain at 1x
 
 
 def made_the_same_way(previous: dict, schema: str, scale: TinyScale, data: dict) -> bool:
@@ -125,6 +128,109 @@ def fraction_study(summary: list[dict], results: dict) -> list[dict]:
             }
         )
     return rows
+
+
+def budget_name(name: str, factor: int) -> str:
+    """The token-study arm `name` (its 1x name) trained on `factor` x the tokens."""
+    return name if factor == 1 else f"{name} {factor}x tokens"
+
+
+def iso_token_ratio(loss: float, baseline_curve: list[tuple[float, float]]) -> tuple[float, bool]:
+    """
+    How many tokens the baseline needs to reach `loss`, from its (log2 tokens, loss) points: linear in log tokens
+    between neighbouring budgets, the nearest segment extended outside them. Returns (log2 tokens, extrapolated).
+    """
+    points = sorted(baseline_curve)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if min(y0, y1) <= loss <= max(y0, y1) and y0 != y1:
+            return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), False
+    (x0, y0), (x1, y1) = points[:2] if loss > points[0][1] else points[-2:]
+    return x0 + (loss - y0) * (x1 - x0) / (y1 - y0), True
+
+
+def token_study(summary: list[dict], results: dict, scale: TinyScale) -> list[dict]:
+    """
+    Per token budget with runs of every `TOKEN_STUDY` arm: 2x depth's and each dual design's paired gain over the
+    single k2 of the same budget, the design's share of 2x depth's gain, and its iso-token ratio: how many times its
+    budget the baseline needs to reach the design's loss, interpolated per seed on the baseline's own loss curve over
+    the budgets. A design's retention is its gain at a budget over its gain at 1x (paired by seed).
+    """
+    by_name = {entry["name"]: entry for entry in summary}
+    budgets = [f for f in (1, *TOKEN_BUDGETS) if all(budget_name(n, f) in by_name for n in TOKEN_STUDY.values())]
+    if len(budgets) < 2:
+        return []
+    tokens_per_step = scale.batch_size * scale.block_size
+    baseline_losses = {
+        f: {run["seed"]: run["val_loss"] for run in results[budget_name(BASELINE.name, f)]} for f in budgets
+    }
+    seeds_on_curve = set.intersection(*(set(losses) for losses in baseline_losses.values()))
+    rows = []
+    for factor in budgets:
+        names = {role: budget_name(name, factor) for role, name in TOKEN_STUDY.items()}
+        baseline_runs, depth_runs = results[names["baseline"]], results[names["depth"]]
+        row = {
+            "token_factor": factor,
+            "train_tokens": scale.steps * factor * tokens_per_step,
+            "baseline_val_loss": by_name[names["baseline"]]["val_loss"],
+            "baseline_tokens_per_cpu_s": by_name[names["baseline"]]["tokens_per_cpu_s"],
+            "depth_delta": mean_and_error(list(paired_differences(depth_runs, baseline_runs).values())),
+        }
+        for role in ("new model default", "best design"):
+            runs = results[names[role]]
+            gains = paired_differences(runs, baseline_runs)
+            at_1x = paired_differences(results[budget_name(TOKEN_STUDY[role], 1)], results[BASELINE.name])
+            curve_points = {
+                run["seed"]: iso_token_ratio(
+                    run["val_loss"], [(math.log2(f), baseline_losses[f][run["seed"]]) for f in budgets]
+                )
+                for run in runs
+                if run["seed"] in seeds_on_curve
+            }
+            row[role] = {
+                "name": names[role],
+                "delta": mean_and_error(list(gains.values())) if gains else None,
+                "depth_gain_share": depth_gain_share(runs, baseline_runs, depth_runs, DEPTH_SHARE_TARGET),
+                "retention_vs_1x": ratio_and_error(gains, at_1x) if factor > 1 else None,
+                "iso_token_ratio": mean_and_error([2**x / factor for x, _ in curve_points.values()])
+                if curve_points
+                else None,
+                "iso_token_ratio_extrapolated": any(flag for _, flag in curve_points.values()),
+                "tokens_per_cpu_s": by_name[names[role]]["tokens_per_cpu_s"],
+            }
+        rows.append(row)
+    return rows
+
+
+def format_token_table(rows: list[dict]) -> str:
+    header = ["tokens", "single k2 val loss", "2x depth Δ"]
+    for role in ("new model default", "best design"):
+        header += [f"{role} Δ", "share of 2x depth", "gain kept vs 1x", "iso-token ratio"]
+    header.append("train CPU-s per token (x single k2: default / best)")
+    lines = []
+    for row in rows:
+        line = [
+            f"{row['token_factor']}x ({row['train_tokens'] / 1e6:.2f}M)",
+            format_error(row["baseline_val_loss"], sign=False),
+        ]
+        line.append(format_error(row["depth_delta"]))
+        costs = []
+        for role in ("new model default", "best design"):
+            design = row[role]
+            kept = design["retention_vs_1x"]
+            ratio = design["iso_token_ratio"]
+            line += [
+                format_error(design["delta"]),
+                format_share(*depth_share(design)),
+                "-" if kept is None else format_share(kept["ratio"], kept["se"]),
+                "-"
+                if ratio is None
+                else format_error(ratio, digits=2, sign=False)
+                + (" (extrapolated)" if design["iso_token_ratio_extrapolated"] else ""),
+            ]
+            costs.append(f"{row['baseline_tokens_per_cpu_s'] / design['tokens_per_cpu_s']:.2f}")
+        line.append(" / ".join(costs))
+        lines.append(line)
+    return text_table(header, lines)
 
 
 def format_share(share: float | None, se: float | None) -> str:
