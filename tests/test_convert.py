@@ -26,6 +26,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForC
 
 from dualflow.convert import SUPPORTED_MODEL_TYPES, convert_checkpoint
 from dualflow.convert.verify import check_parity
+from dualflow.errors import DualFlowUserError
+from dualflow.staging import staged_folder
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -243,6 +245,26 @@ def test_existing_out_needs_overwrite(tmp_path):
     assert code == 0, stderr
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+def test_a_second_run_writing_the_same_out_fails_in_one_line(tmp_path):
+    src = save_source(make_source("qwen2"), tmp_path / "src", "single")
+    out = tmp_path / "out"
+    (tmp_path / ".out.partial-0123456789ab").mkdir()  # left by a killed run: holds no lock, blocks nothing
+    with staged_folder(out) as first:  # another run (convert or finetune) is writing `out`
+        (first / "theirs.txt").write_text("the first run's output")
+        code, stderr = run_dualflow("convert", src, out)
+        assert code == 2 and stderr.count("\n") == 1, stderr
+        assert stderr.startswith(f"dualflow convert: error: another run is writing {out} (into {first});")
+    assert sorted(os.listdir(out)) == ["theirs.txt"]
+    # Another process writes `out` while this run writes it: this run fails at the end and leaves theirs alone.
+    with pytest.raises(DualFlowUserError, match="written by another process while this run was writing it"):
+        with staged_folder(out) as staging:
+            (staging / "ours.txt").write_text("this run's output")
+            out.rename(tmp_path / "moved")
+            out.mkdir()
+    assert os.listdir(out) == []
+    assert sorted(os.listdir(tmp_path)) == [".out.partial-0123456789ab", "moved", "out", "src"]
 
 
 # ---- memory: conversion streams, so peak RSS tracks the largest source tensor, not the checkpoint
