@@ -162,8 +162,12 @@ def convert_checkpoint(
         raise DualFlowUserError(f"{out} already exists; pass --overwrite to replace it")
 
     src_dir, base_model = resolve_source(src)
-    if out.resolve() == src_dir.resolve():
-        raise DualFlowUserError("OUT must differ from SRC")
+    if out.resolve().is_relative_to(src_dir.resolve()):
+        raise DualFlowUserError(f"OUT {out} is inside the source folder {src}: choose an output folder outside it")
+    if src_dir.resolve().is_relative_to(out.resolve()):
+        raise DualFlowUserError(
+            f"the source folder {src} is inside OUT {out}, which would replace it: choose another OUT"
+        )
     source = SourceCheckpoint(src_dir)
     config = build_config(source, aux_top_k, torch_dtype, aux_rounds, aux_adapter_rank)
     targets = plan_targets(source, family_for(source.model_type), config, torch_dtype)

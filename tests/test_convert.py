@@ -247,6 +247,19 @@ def test_existing_out_needs_overwrite(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]
 
 
+def test_out_inside_the_source_and_source_inside_out_are_refused(tmp_path):
+    src = save_source(make_source("qwen2"), tmp_path / "mix", "single")
+    files = sorted(os.listdir(src))
+    for out, extra, message in [
+        (src, ["--overwrite"], f"OUT {src} is inside the source folder {src}"),
+        (src / "sub", [], f"OUT {src / 'sub'} is inside the source folder {src}"),
+        (tmp_path, ["--overwrite"], f"the source folder {src} is inside OUT {tmp_path}, which would replace it"),
+    ]:
+        code, stderr = run_dualflow("convert", src, out, *extra)
+        assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr
+        assert sorted(os.listdir(src)) == files and os.listdir(tmp_path) == ["mix"]
+
+
 def test_a_second_run_writing_the_same_out_fails_in_one_line(tmp_path):
     src = save_source(make_source("qwen2"), tmp_path / "src", "single")
     out = tmp_path / "out"
