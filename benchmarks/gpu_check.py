@@ -7,7 +7,8 @@ Sections (each one runs on its own: an error is recorded in the JSON under that 
 environment (versions, device, experts kernel in use); parity (aux off vs the source Mixtral, and aux on at the
 upcycling init, k_a == k_p); prefill dual / primary; decode dual / primary at batch 1 and 16 with a dynamic cache and
 with generate's compiled static cache, next to the byte limit computed from the routes both flows actually took;
-training step time and peak memory per attention backend (sdpa, flex_attention, flash_attention_2 if importable).
+training per attention backend (sdpa, flex_attention, flash_attention_2 if importable): step time, peak memory, the
+loss and the weights its backward leaves without a gradient.
 Times are CUDA-synchronised wall clock, variants interleaved, medians. Results go to docs/results/gpu.md.
 """
 
@@ -247,13 +248,19 @@ def training(model, shape, device) -> dict:
                     model(ids, labels=ids).loss.backward()
 
                 step_seconds = interleaved_medians({"step": step}, device, shape["repeats"])["step"]
-                peak = None
+                model.zero_grad(set_to_none=True)
                 if device.type == "cuda":
-                    model.zero_grad(set_to_none=True)
                     torch.cuda.reset_peak_memory_stats(device)
-                    step()
-                    peak = torch.cuda.max_memory_allocated(device)
-                result[backend] = {"step_seconds": step_seconds, "peak_bytes": peak}
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+                result[backend] = {
+                    "step_seconds": step_seconds,
+                    "peak_bytes": peak,
+                    "loss": loss.item(),
+                    # a backend whose backward drops a path leaves weights without a gradient
+                    "parameters_without_grad": [n for n, p in model.named_parameters() if p.grad is None],
+                }
             except Exception as error:  # one backend failing must not hide the others
                 result[backend] = {"error": f"{type(error).__name__}: {error}"}
     finally:

@@ -10,6 +10,7 @@ import pytest
 from helpers import tiny_model
 
 from dualflow.cli import main
+from dualflow.instruments.plots import pyplot
 
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -22,12 +23,15 @@ def test_compare_cli_on_a_checkpoint_folder(tmp_path, capsys):
     out = tmp_path / "report.json"
     argv = ["compare", str(folder), "--data", str(SMALL_TEXT_FILE), "--prompt-lengths", "8,32", "--batch", "1,2"]
     argv += ["--decode-tokens", "2", "--repeats", "1", "--eval-tokens", "64", "--json", str(out)]
-    assert main(argv) == 0
+    assert main(argv + ["--plot", str(tmp_path / "compare.png")]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == str(folder) and report["settings"]["data"] == [str(SMALL_TEXT_FILE)]
     assert report["settings"]["eval_tokens"] == 64
     printed = capsys.readouterr().out
     assert "single top-k=4" in printed and "two-pass" in printed
+    # the plot of this report (tests/test_plots.py checks what the figure shows)
+    assert f"wrote {tmp_path / 'compare.png'}" in printed
+    assert pyplot().imread(tmp_path / "compare.png").shape[:2] == (462, 1650)
 
 
 def test_compare_cli_reports_the_decode_cost_of_each_aux_round(tmp_path, capsys):

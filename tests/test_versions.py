@@ -16,16 +16,25 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
-from pip._vendor import tomli  # pip's own TOML reader: these tests also run on Python 3.10, which has no tomllib
 
 import modeling_dualflow
 
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 has no tomllib; pytest itself depends on tomli there
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def declared_dependencies() -> list[Requirement]:
+    return [Requirement(r) for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]]
+
+
 def transformers_requirement() -> Requirement:
-    return Requirement(re.search(r'"(transformers[<>=!~][^"]*)"', (ROOT / "pyproject.toml").read_text())[1])
+    [requirement] = [r for r in declared_dependencies() if r.name == "transformers"]
+    return requirement
 
 
 def test_installed_transformers_is_in_the_supported_range():
@@ -47,7 +56,7 @@ def test_bootstrap_vllm_lists_the_dependencies_without_tomllib():
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     listed = {(canonicalize_name(r.name), r.specifier) for r in map(Requirement, completed.stdout.splitlines())}
-    declared = map(Requirement, tomli.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    declared = declared_dependencies()
     expected = {(canonicalize_name(r.name), r.specifier) for r in declared if r.name not in ("torch", "transformers")}
     assert listed == expected and ("peft", SpecifierSet(">=0.21,<0.22")) in listed
 
