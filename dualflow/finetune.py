@@ -9,7 +9,10 @@ fixed-size blocks. The command line is `dualflow.finetune_cli`.
 """
 
 import json
+import os
 import shutil
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from .errors import DualFlowInterrupted, DualFlowUserError
 from .lora import add_lora
 from .model_card import license_of, write_adapter_card, write_model_card
 from .scoring import mean_token_nlls
-from .staging import staged_folder
+from .staging import FILE_SYSTEM_ERRNOS, staged_folder
 
 
 def read_texts(path) -> list[str]:
@@ -167,12 +170,76 @@ def keep_checkpoints(staging: Path, output_dir: Path) -> Path | None:
     checkpoints = [path for path in staging.glob("checkpoint-*") if (path / "trainer_state.json").is_file()]
     if not checkpoints:
         return None
+    for path in set(staging.glob("checkpoint-*")) - set(checkpoints):  # frees what a save cut short by a full disk took
+        shutil.rmtree(path, ignore_errors=True)
     kept = output_dir.with_name(f"{output_dir.name}-checkpoints")
     kept.mkdir(exist_ok=True)
     for checkpoint in checkpoints:
         shutil.rmtree(kept / checkpoint.name, ignore_errors=True)
         checkpoint.rename(kept / checkpoint.name)
     return Path(get_last_checkpoint(kept))
+
+
+def _resume_advice(kept: Path) -> str:
+    return f"checkpoints kept in {kept.parent}; to go on, rerun with --resume-from-checkpoint {kept}"
+
+
+# Bytes written to test whether a file system is full: a write that failed leaves less than this free.
+PROBE_BYTES = 1 << 16
+
+
+def _file_system_error(error: BaseException, folder: Path) -> OSError | None:
+    """
+    The file system's refusal behind a failed write (full disk, quota, read-only, permission), None for any other
+    failure: an OSError in the exception's chain, else a probe write into `folder`, since torch and safetensors report
+    a full disk in messages of their own without its errno.
+    """
+    cause = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in FILE_SYSTEM_ERRNOS:
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    probe = folder / ".write-probe"
+    try:
+        with open(probe, "wb") as file:
+            file.write(bytes(PROBE_BYTES))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as probe_error:
+        return probe_error if probe_error.errno in FILE_SYSTEM_ERRNOS else None
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+@contextmanager
+def checkpoints_kept_on_failure(staging: Path, output_dir: Path):
+    """
+    Whatever ends the block early (an error, a full disk, Ctrl-C, SIGTERM) moves the complete checkpoints saved in
+    `staging` to OUT-checkpoints and says so in the one line the CLI prints: a DualFlowInterrupted for an interruption,
+    a DualFlowUserError for the user's file system or mistake; another error (a bug) keeps its traceback after a line
+    naming the checkpoints.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        kept = keep_checkpoints(staging, output_dir)
+        if kept is None:
+            raise
+        raise DualFlowInterrupted(_resume_advice(kept)) from None
+    except Exception as error:
+        write_error = _file_system_error(error, staging)  # first: keeping the checkpoints frees space
+        kept = keep_checkpoints(staging, output_dir)
+        advice = "" if kept is None else f"; {_resume_advice(kept)}"
+        if write_error is not None:
+            raise DualFlowUserError(
+                f"cannot write the output folder {output_dir}: {write_error.strerror}{advice}"
+            ) from None
+        if isinstance(error, DualFlowUserError):
+            raise DualFlowUserError(f"{error}{advice}") from None
+        if kept is not None:
+            print(f"dualflow finetune: {_resume_advice(kept)}", file=sys.stderr)
+        raise
 
 
 def _check_output_dir(output_dir: Path):
@@ -218,7 +285,8 @@ def finetune(
     block_size = min(block_size, config.max_position_embeddings)
     train_blocks, eval_blocks = split_blocks(pack_blocks(texts, tokenizer, block_size), eval_fraction)
     print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
-    with staged_folder(output_dir) as staging:  # fails now, before training, if the output cannot be written
+    # The staging folder is made at once: an output that cannot be written fails before training.
+    with staged_folder(output_dir) as staging, checkpoints_kept_on_failure(staging, output_dir):
         # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
         source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
         model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32)
@@ -237,15 +305,7 @@ def finetune(
         before = flow_nll(trainer.model, eval_blocks, eval_batch)
         print(f"eval NLL per token (nats) before: {_format_nll(before)}")
         print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
-        try:
-            trainer.train(resume_from_checkpoint=resume)
-        except KeyboardInterrupt:
-            kept = keep_checkpoints(staging, output_dir)
-            if kept is None:
-                raise
-            raise DualFlowInterrupted(
-                f"checkpoints kept in {kept.parent}; to go on, rerun with --resume-from-checkpoint {kept}"
-            ) from None
+        trainer.train(resume_from_checkpoint=resume)
         after = flow_nll(trainer.model, eval_blocks, eval_batch)
         print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
 

@@ -313,3 +313,54 @@ def test_unwritable_output_folder_is_one_line_error(model_dir, tmp_path, capsys,
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and error.startswith(f"dualflow finetune: error: cannot write the output folder {out}: ")
     assert not out.exists()
+
+
+def finetune_on_small_disk(tmp_path: Path, size_kib: int, model_dir: Path, *argv) -> tuple[int, str, Path]:
+    """
+    `dualflow finetune MODEL ... --output-dir DISK/out` where DISK is a tmpfs of `size_kib` KiB in a mount namespace of
+    its own: a real full disk. Returns the exit status, stderr and a copy of what the disk held when the command ended.
+    """
+    disk, after = tmp_path / "disk", tmp_path / "disk-after"
+    disk.mkdir()
+    script = 'mount -t tmpfs -o size="$1"k tmpfs "$2" || exit 99; "${@:4}"; status=$?; cp -a "$2" "$3"; exit $status'
+    finetune = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv, "--output-dir", disk / "out"]
+    command = ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script, "bash"]
+    command += [size_kib, disk, after, *finetune]
+    completed = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=600)
+    assert completed.returncode != 99, completed.stderr
+    return completed.returncode, completed.stderr, after
+
+
+def test_full_disk_keeps_every_saved_checkpoint_and_names_the_output(model_dir, tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=6000))
+    argv = ["--data", data, "--block-size", 32, "--batch-size", 4, "--max-steps", 100, "--disable-tqdm", "true"]
+    argv += ["--save-strategy", "steps", "--save-steps", 1]
+    # A checkpoint of this model with its optimizer state takes about 880 KiB: the fourth does not fit.
+    status, stderr, disk = finetune_on_small_disk(tmp_path, 3300, model_dir, *argv)
+    out, kept = tmp_path / "disk" / "out", tmp_path / "disk" / "out-checkpoints"
+    assert status == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"dualflow finetune: error: cannot write the output folder {out}: No space left on device; "
+        f"checkpoints kept in {kept}; to go on, rerun with --resume-from-checkpoint {kept / 'checkpoint-3'}"
+    )
+    # Every complete checkpoint kept, nothing half-written or hidden left behind.
+    assert sorted(path.name for path in disk.iterdir()) == ["out-checkpoints"]
+    checkpoints = sorted((disk / "out-checkpoints").iterdir())
+    assert [path.name for path in checkpoints] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    for checkpoint in checkpoints:
+        assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == int(checkpoint.name[-1])
+        AutoModelForCausalLM.from_pretrained(checkpoint)  # loads: complete weights
+
+
+def test_full_disk_at_the_final_save_is_one_line(model_dir, tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=6000))
+    argv = ["--data", data, "--block-size", 32, "--batch-size", 4, "--max-steps", 1, "--disable-tqdm", "true"]
+    # The config and code files fit, the weights (250 KiB) do not.
+    status, stderr, disk = finetune_on_small_disk(tmp_path, 150, model_dir, *argv)
+    assert status == 2 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"dualflow finetune: error: cannot write the output folder {tmp_path / 'disk' / 'out'}: No space left on device"
+    )
+    assert list(disk.iterdir()) == []
