@@ -1,23 +1,31 @@
 """
 lm-eval's HF backend on a converted Dual-Flow checkpoint (docs/evaluation.md): its log-likelihoods are what the model
 predicts when it generates (token by token through the cache), aux flow on and off, and `model_args` reach the model.
-Offline: a local YAML task over a local jsonl file of real text (a Python stdlib source), no Hub.
+Offline: a local YAML task over a local jsonl file of real text (a Python stdlib source), no Hub. The page's command
+lines, the vLLM backend's included (tests/vllm runs that backend), parse into the arguments the tests pass.
 """
 
 import json
 import os
+import shlex
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
 
 
-# datasets reads these at import: no Hub, and its cache (of the local jsonl) in a private folder
+# datasets reads these at import: no Hub, and its cache (of the local jsonl) in a private folder, removed when the test
+# process exits (TemporaryDirectory's finalizer)
 os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="dualflow-datasets-"))
+if "HF_DATASETS_CACHE" not in os.environ:
+    _datasets_cache = tempfile.TemporaryDirectory(prefix="dualflow-datasets-")
+    os.environ["HF_DATASETS_CACHE"] = _datasets_cache.name
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from helpers import ROOT, code_blocks  # noqa: E402
 from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval._cli.harness import HarnessCLI  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 from transformers import ByT5Tokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
@@ -141,3 +149,34 @@ def test_lm_eval_loglikelihoods_equal_step_by_step_predictions(checkpoint):
     # the perturbed aux flow scores differently from the primary flow, and k_a changes it
     assert all(abs(a[2] - b[2]) > 1e-4 for a, b in zip(scores["aux on"], scores["aux off"]))
     assert any(abs(a[2] - b[2]) > 1e-4 for a, b in zip(scores["aux on"], scores["k_a = 2"]))
+
+
+def documented_commands() -> dict[str, list[str]]:
+    """docs/evaluation.md's `lm_eval` command lines by backend, split as a shell would."""
+    commands = {}
+    for block in code_blocks(ROOT / "docs" / "evaluation.md"):
+        argv = shlex.split(block["code"].replace("\\\n", " "))
+        if Path(argv[0]).name == "lm_eval":
+            commands.setdefault(argv[argv.index("--model") + 1], []).append(argv)
+    return commands
+
+
+def test_documented_commands_give_the_backends_these_arguments(monkeypatch):
+    """lm-eval's own command-line parser reads docs/evaluation.md's commands into the arguments the tests pass."""
+    parsed = {}
+    for backend, commands in documented_commands().items():
+        for argv in commands:
+            monkeypatch.setattr(sys, "argv", ["lm_eval", *argv[1:]])
+            parsed.setdefault(backend, []).append(HarnessCLI().parse_args().model_args)
+    assert parsed["hf"] == [
+        {"pretrained": "./qwen-moe-dualflow", "trust_remote_code": True},
+        {"pretrained": "tiny-ft", "trust_remote_code": True, "add_bos_token": False},  # as lm_eval_loglikelihoods
+    ]
+    # the recipe tests/vllm/test_vllm_lm_eval.py runs: an engine whose aux flow predicts at every prompt position
+    assert parsed["vllm"] == [
+        {
+            "pretrained": "./qwen-moe-dualflow",
+            "dtype": "float32",
+            "hf_overrides": {"aux_at_every_prompt_position": True},
+        }
+    ]
