@@ -79,7 +79,7 @@ def build_config(
 def conversion_command(
     src, out, aux_top_k, dtype_name, max_shard_size, verify, aux_rounds=1, aux_adapter_rank=0
 ) -> str:
-    """The `dualflow convert` command line equivalent to this call (recorded in the model card)."""
+    """The `dualflow convert` command line equivalent to this call, as the model card records it."""
     words = ["dualflow", "convert", str(src), str(out)]
     if aux_top_k is not None:
         words += ["--aux-top-k", str(aux_top_k)]
@@ -182,14 +182,17 @@ def convert_checkpoint(
         parity = check_parity(src_dir, tmp_dir, torch_dtype) if verify else None
         if parity is not None and not parity["passed"]:
             raise DualFlowUserError(f"--verify failed, nothing written to {out}: {parity['summary']}")
+        # The card is published with the model: it names the source by its Hub id where it has one, and local
+        # folders by their names only.
+        src_name, out_name = base_model or src_dir.resolve().name, out.resolve().name
         write_model_card(
             tmp_dir,
             config,
-            repo_id=str(out),
+            repo_id=out_name,
             base_model=base_model,
             license=license_of(src_dir),
             conversion_command=conversion_command(
-                src, out, aux_top_k, dtype, max_shard_size, verify, aux_rounds, aux_adapter_rank
+                src_name, out_name, aux_top_k, dtype, max_shard_size, verify, aux_rounds, aux_adapter_rank
             ),
             parity=_card_parity(parity),
         )

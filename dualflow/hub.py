@@ -4,8 +4,9 @@ Share Dual-Flow checkpoints on the Hugging Face Hub (`dualflow push`).
 A shared model folder must load anywhere with `trust_remote_code=True`: config.json with `auto_map`, the three code
 files, the weights and a model card. `push_model` (the arguments of transformers' `push_to_hub`) writes all of that,
 the Dual-Flow card from `model_cards/` included, and uploads it in one commit; `dualflow push` checks and uploads a
-folder that is already written, and changes nothing in it unless the upload goes through. torch, transformers and
-huggingface_hub are imported only when needed, so `dualflow push --help` is instant.
+folder that is already written, and never changes it: the card it adds or points at the repo, and an adapter's base
+named by its Hub id, exist only in the upload, which names no local path. torch, transformers and huggingface_hub are
+imported only when needed, so `dualflow push --help` is instant.
 """
 
 import argparse
@@ -13,6 +14,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from .checkpoint import is_hub_repo_id
 from .errors import DualFlowUserError
 
 
@@ -34,6 +36,7 @@ def check_upload_folder(folder) -> str:
             raise DualFlowUserError(
                 f"adapter folder {folder} lacks {', '.join(missing)}: save it with PeftModel.save_pretrained"
             )
+        _check_weights(folder, ["adapter_model.safetensors"])
         return "adapter"
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -58,23 +61,73 @@ def check_upload_folder(folder) -> str:
         raise DualFlowUserError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)})")
     index_path = folder / "model.safetensors.index.json"
     if index_path.is_file():
-        shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+            raise DualFlowUserError(f"{index_path} is not a valid safetensors index: {error!r}") from None
         missing = [name for name in shards if not (folder / name).is_file()]
         if missing:
             raise DualFlowUserError(f"{folder} lacks weight shards listed in its index: {', '.join(missing)}")
+        _check_weights(folder, shards)
+    else:
+        _check_weights(folder, ["model.safetensors"])
     return "model"
 
 
-def ensure_model_card(folder, repo_id: str) -> bool:
-    """Write the Dual-Flow model card into a model folder that has no README.md; True when one was written."""
-    from modeling_dualflow import DualFlowConfig
+def _check_weights(folder: Path, names):
+    """Each safetensors file's header must be valid and its size what the header says (a truncated copy is not)."""
+    from safetensors import SafetensorError, safe_open
 
-    from .model_card import write_model_card
+    for name in names:
+        try:
+            with safe_open(folder / name, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise DualFlowUserError(f"{folder / name} is unreadable or truncated ({error}): save it again") from None
 
-    if (Path(folder) / "README.md").is_file():
-        return False
-    write_model_card(folder, DualFlowConfig.from_pretrained(folder), repo_id=repo_id)
-    return True
+
+def published_files(folder, repo_id: str, kind: str, base_model_id: str | None = None) -> dict[str, bytes]:
+    """
+    What the upload carries in place of the folder's own files (the folder itself is not changed): the Dual-Flow card
+    pointed at `repo_id` (rendered if the folder has none); for an adapter, its config and card naming the base
+    model by its Hub id, `base_model_id`, which is required when the adapter names a local folder.
+    """
+    from huggingface_hub import ModelCard
+
+    from .model_card import render_model_card, retarget_card
+
+    folder = Path(folder)
+    card_path = folder / "README.md"
+    if card_path.is_file():
+        card = retarget_card(card_path.read_text(encoding="utf-8"), repo_id)
+    elif kind == "model":
+        from modeling_dualflow import DualFlowConfig
+
+        card = str(render_model_card(DualFlowConfig.from_pretrained(folder), repo_id=repo_id))
+    else:
+        card = None
+    published = {"README.md": card.encode()} if card is not None else {}
+    if kind == "model":
+        if base_model_id is not None:
+            raise DualFlowUserError("--base-model-id is for adapter folders; this folder holds a whole model")
+        return published
+    adapter_config = json.loads((folder / "adapter_config.json").read_text())
+    base = adapter_config.get("base_model_name_or_path") or ""
+    if base_model_id is None:
+        if Path(base).expanduser().exists() or not is_hub_repo_id(base):
+            raise DualFlowUserError(
+                f"the adapter's base model is the local folder {base}, which does not load from the Hub: upload the "
+                "base too and pass its repo id with --base-model-id"
+            )
+        return published
+    check_repo_id(base_model_id)
+    adapter_config["base_model_name_or_path"] = base_model_id
+    published["adapter_config.json"] = (json.dumps(adapter_config, indent=2, sort_keys=True) + "\n").encode()
+    if card is not None:
+        card = ModelCard(card.replace(base, base_model_id) if base else card)
+        card.data.base_model = base_model_id
+        published["README.md"] = str(card).encode()
+    return published
 
 
 def hub_token(token: str | None = None) -> str:
@@ -88,7 +141,7 @@ def hub_token(token: str | None = None) -> str:
 
 
 def check_repo_id(repo_id: str) -> None:
-    """A one-line error for a repo id the Hub would refuse, before any file is written or the network is tried."""
+    """A one-line error for a repo id the Hub would refuse, before the network is tried."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -103,48 +156,45 @@ def push_folder(
     private: bool | None = None,
     token: str | None = None,
     commit_message: str | None = None,
-    **upload_kwargs,
+    commit_description: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    base_model_id: str | None = None,
 ) -> str:
     """
-    Check `folder`, add the card if missing, create `repo_id` (if needed) and upload the folder; returns its URL.
-    `upload_kwargs` (commit_description, revision, create_pr) go to `HfApi.upload_folder`.
+    Check `folder`, create `repo_id` (if needed) and upload the folder in one commit, with the files
+    `published_files` gives in place of its own; returns the repo's URL (the pull request's with `create_pr`).
+    `revision`: the branch to commit to (created if needed; with `create_pr`, the branch the pull request targets).
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
-    from .model_card import retarget_model_card
-
+    folder = Path(folder)
     kind = check_upload_folder(folder)
     check_repo_id(repo_id)
-    token = hub_token(token)
-    api = HfApi(token=token)
-    try:  # the first network call: offline, no network or a refused token fail here, before the folder is touched
+    published = published_files(folder, repo_id, kind, base_model_id)
+    files = {path.relative_to(folder).as_posix(): path for path in sorted(folder.rglob("*")) if path.is_file()}
+    contents = {name: files[name] for name in filter_repo_objects(files, ignore_patterns=DEFAULT_IGNORE_PATTERNS)}
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=content)
+        for name, content in sorted((contents | published).items())
+    ]
+    api = HfApi(token=hub_token(token))
+    try:  # offline, no network or a refused token fail at the first call
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision is not None and not revision.startswith("refs/pr/"):
+            api.create_branch(repo_url.repo_id, branch=revision, exist_ok=True)
+        commit = api.create_commit(
+            repo_url.repo_id,
+            operations,
+            commit_message=commit_message or f"Upload Dual-Flow {kind}",
+            commit_description=commit_description,
+            revision=revision,
+            create_pr=create_pr,
+        )
     except Exception as error:  # HTTP status errors, offline mode, and transport errors (refused, DNS, timeout)
         raise _upload_failed(repo_id, error) from None
-    card_path = Path(folder) / "README.md"
-    card_before = card_path.read_bytes() if card_path.is_file() else None
-    card_note = None
-    if kind == "model" and ensure_model_card(folder, repo_id):
-        card_note = f"wrote a model card to {card_path}"
-    elif kind == "model" and retarget_model_card(folder, repo_id):
-        card_note = f"pointed the model card's usage snippets at {repo_id}"
-    try:
-        api.upload_folder(
-            repo_id=repo_url.repo_id,
-            folder_path=folder,
-            commit_message=commit_message or f"Upload Dual-Flow {kind}",
-            **upload_kwargs,
-        )
-    except Exception as error:
-        # A failed push changes nothing locally: the card goes back to what it was.
-        if card_before is None:
-            card_path.unlink(missing_ok=True)
-        else:
-            card_path.write_bytes(card_before)
-        raise _upload_failed(repo_id, error) from None
-    if card_note:
-        print(card_note)
-    return str(repo_url)
+    return commit.pr_url if create_pr else str(repo_url)
 
 
 def _upload_failed(repo_id: str, error: Exception) -> DualFlowUserError:
@@ -205,19 +255,37 @@ def push_model(
 def build_parser(prog: str = "dualflow push") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Check the folder (config auto_map, code files, weights), add a model card if missing, upload.",
+        description=(
+            "Check the folder (config auto_map, code files, weights) and upload it with the Dual-Flow model card; "
+            "the folder itself is not changed."
+        ),
     )
     parser.add_argument("folder", help="folder written by save_pretrained / dualflow convert / dualflow finetune")
     parser.add_argument("repo_id", help="Hub repository, e.g. your-name/model-dualflow")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--token", help="Hub token (default: HF_TOKEN or the `hf auth login` token)")
     parser.add_argument("--commit-message", help="commit message (default: 'Upload Dual-Flow model')")
+    parser.add_argument("--revision", help="branch to commit to, created if needed (default: main)")
+    parser.add_argument(
+        "--create-pr", action="store_true", help="open a pull request (against --revision, or main) instead"
+    )
+    parser.add_argument(
+        "--base-model-id",
+        help="for a LoRA adapter folder: the Hub repo id of its base model, published in place of a local folder",
+    )
     return parser
 
 
 def run(args) -> int:
     url = push_folder(
-        args.folder, args.repo_id, private=args.private, token=args.token, commit_message=args.commit_message
+        args.folder,
+        args.repo_id,
+        private=args.private,
+        token=args.token,
+        commit_message=args.commit_message,
+        revision=args.revision,
+        create_pr=args.create_pr,
+        base_model_id=args.base_model_id,
     )
     print(f"uploaded {args.folder} to {url}")
     return 0

@@ -50,22 +50,18 @@ def render_model_card(
     )
 
 
-def retarget_model_card(folder, repo_id: str) -> bool:
+def retarget_card(card: str, repo_id: str) -> str:
     """
-    Point the title and usage snippets of the Dual-Flow card in `folder/README.md` at `repo_id` (cards written by
-    `dualflow convert` / `finetune` name the local folder); True when the card changed.
+    The Dual-Flow card `card` (a README.md's text) with its title and usage snippets pointed at `repo_id` (cards
+    written by `dualflow convert` / `finetune` name the local folder); any other card unchanged.
     """
-    path = Path(folder) / "README.md"
-    if not path.is_file() or "dual-flow" not in ((metadata_load(path) or {}).get("tags") or []):
-        return False
-    card = path.read_text()
+    if "dual-flow" not in (ModelCard(card).data.to_dict().get("tags") or []):
+        return card
     match = re.search(r'from_pretrained\("([^"]+)", trust_remote_code=True\)', card)
     if match is None or match[1] == repo_id:
-        return False
+        return card
     old_name, new_name = (name.rstrip("/").split("/")[-1] for name in (match[1], repo_id))
-    card = card.replace(f'"{match[1]}"', f'"{repo_id}"').replace(f"\n# {old_name}\n", f"\n# {new_name}\n", 1)
-    path.write_text(card)
-    return True
+    return card.replace(f'"{match[1]}"', f'"{repo_id}"').replace(f"\n# {old_name}\n", f"\n# {new_name}\n", 1)
 
 
 def license_of(folder) -> str | None:

@@ -86,7 +86,9 @@ def test_converted_layout_and_config(tmp_path):
     assert {"configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py"} <= files
     assert {"tokenizer.json", "generation_config.json", "README.md"} <= files
     card = (out / "README.md").read_text()
-    assert "license: apache-2.0" in card and "dual-flow" in card and f"dualflow convert {src}" in card
+    assert "license: apache-2.0" in card and "dual-flow" in card and "dualflow convert src out\n" in card
+    assert 'from_pretrained("out", trust_remote_code=True)' in card
+    assert str(tmp_path) not in card  # a card is published with the model: no local path
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]  # no temporary leftovers
 
 
@@ -94,7 +96,8 @@ def test_hub_cache_folder_names_the_base_model(tmp_path):
     snapshot = tmp_path / "hub" / "models--some-org--tiny-qwen" / "snapshots" / "0123abcd"
     save_source(make_source("qwen2"), snapshot, "single")
     convert_checkpoint(snapshot, tmp_path / "out", show_progress=False)
-    assert "base_model: some-org/tiny-qwen" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: some-org/tiny-qwen" in card and "dualflow convert some-org/tiny-qwen out\n" in card
 
 
 def test_offline_hub_id_is_a_short_line_saying_what_to_do(tmp_path):

@@ -1,10 +1,19 @@
-"""Sharing: the folder that would be uploaded loads as remote code in a fresh process; card metadata; token errors."""
+"""
+Sharing: the folder that would be uploaded loads as remote code in a fresh process; card metadata; token errors; what
+an upload carries, through a local stand-in for the Hub's HTTP API (no network).
+"""
 
+import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import torch
@@ -14,8 +23,9 @@ from transformers import ByT5Tokenizer
 
 from dualflow.cli import main as cli_main
 from dualflow.errors import DualFlowUserError
-from dualflow.hub import check_upload_folder, ensure_model_card, prepare_upload_folder
-from dualflow.model_card import retarget_model_card, write_model_card
+from dualflow.hub import check_upload_folder, prepare_upload_folder, published_files
+from dualflow.lora import add_lora
+from dualflow.model_card import retarget_card, write_adapter_card, write_model_card
 from modeling_dualflow import REMOTE_CODE_FILES
 
 
@@ -100,29 +110,30 @@ def test_card_metadata_is_valid_yaml(upload_folder):
 
 def test_card_of_a_local_folder_is_retargeted_to_the_repo(upload_folder):
     model, folder = upload_folder
-    write_model_card(
-        folder, model.config, repo_id="./tiny-local", conversion_command="dualflow convert src ./tiny-local"
-    )
-    assert retarget_model_card(folder, "someone/tiny-dualflow")
-    card = (folder / "README.md").read_text()
+    write_model_card(folder, model.config, repo_id="tiny-local", conversion_command="dualflow convert src tiny-local")
+    card = retarget_card((folder / "README.md").read_text(), "someone/tiny-dualflow")
     assert 'from_pretrained("someone/tiny-dualflow", trust_remote_code=True)' in card and "\n# tiny-dualflow\n" in card
-    assert "dualflow convert src ./tiny-local" in card  # the command that was run stays as it was
+    assert "dualflow convert src tiny-local" in card  # the command that was run stays as it was
     assert "dual-flow" in yaml.safe_load(card.split("---\n")[1])["tags"]
-    assert not retarget_model_card(folder, "someone/tiny-dualflow")
+    assert retarget_card(card, "someone/tiny-dualflow") == card
+    assert retarget_card("# another card\n", "someone/tiny-dualflow") == "# another card\n"
 
 
 def test_check_upload_folder_names_what_is_missing(upload_folder):
     _, folder = upload_folder
     assert check_upload_folder(folder) == "model"
 
-    (folder / "README.md").unlink()
-    assert ensure_model_card(folder, "someone/tiny-dualflow") and (folder / "README.md").is_file()
-    assert not ensure_model_card(folder, "someone/tiny-dualflow")
-
     (folder / "cache_dualflow.py").rename(folder / "cache_dualflow.py.bak")
     with pytest.raises(DualFlowUserError, match="lacks the code files cache_dualflow.py"):
         check_upload_folder(folder)
     (folder / "cache_dualflow.py.bak").rename(folder / "cache_dualflow.py")
+
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:-100])  # an interrupted copy
+    with pytest.raises(DualFlowUserError, match=f"{weights} is unreadable or truncated"):
+        check_upload_folder(folder)
+    weights.write_bytes(whole)
 
     config = json.loads((folder / "config.json").read_text())
     del config["auto_map"]
@@ -175,13 +186,13 @@ def test_push_without_token_is_a_clear_error(upload_folder, tmp_path):
     message = "no Hugging Face token: run `hf auth login`, set HF_TOKEN or pass --token"
     assert completed.stderr.strip().splitlines()[-1] == f"dualflow push: error: {message}"
     assert json.loads(completed.stdout.strip().splitlines()[-1]) == {"status": 2, "push_model_error": message}
-    assert not (folder / "README.md").exists()  # nothing is written before the token check passes
+    assert not (folder / "README.md").exists()  # a push never writes into the folder
 
 
 def test_failed_push_changes_nothing_locally(upload_folder, capsys):
     # A card `dualflow convert` wrote for the local folder: a push would point it at the repo, a failed one must not.
     model, folder = upload_folder
-    write_model_card(folder, model.config, repo_id="./tiny-local")
+    write_model_card(folder, model.config, repo_id="tiny-local")
     for card in ("retargeted", "missing"):
         before = {path.name: path.read_bytes() for path in folder.iterdir()}
         assert cli_main(["push", str(folder), "not a repo id", "--token", "hf_unused"]) == 2
@@ -192,3 +203,194 @@ def test_failed_push_changes_nothing_locally(upload_folder, capsys):
         assert error.startswith("dualflow push: error: upload to someone/tiny-dualflow failed") and "\n" not in error
         assert {path.name: path.read_bytes() for path in folder.iterdir()} == before, card
         (folder / "README.md").unlink(missing_ok=True)
+
+
+# ---- uploads through a local stand-in for the Hub's HTTP API
+
+
+class FakeHub(ThreadingHTTPServer):
+    """
+    Answers the requests of an upload (create repo, create branch, validate the card, pre-upload, commit) as the Hub
+    does, and records each as (path, query, headers in lower case, body). The commit is answered once `release` is set.
+    """
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), FakeHubHandler)
+        self.requests = []
+        self.commit_started = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def paths(self) -> list[str]:
+        return [path for path, *_ in self.requests]
+
+    def committed_files(self) -> dict[str, bytes]:
+        """The files of the last commit (path -> content)."""
+        body = next(body for path, _, _, body in reversed(self.requests) if "/commit/" in path)
+        lines = [json.loads(line) for line in body.decode().splitlines()]
+        return {
+            line["value"]["path"]: base64.b64decode(line["value"]["content"]) for line in lines if line["key"] == "file"
+        }
+
+
+class FakeHubHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def answer(self, payload: dict, status: int = 200):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        url = urlsplit(self.path)
+        hub = self.server
+        hub.requests.append((url.path, parse_qs(url.query), {k.lower(): v for k, v in self.headers.items()}, body))
+        if url.path == "/api/repos/create":
+            request = json.loads(body)
+            self.answer({"url": f"{hub.url}/{request['organization']}/{request['name']}"})
+        elif url.path == "/api/validate-yaml" or "/branch/" in url.path:
+            self.answer({})
+        elif "/preupload/" in url.path:
+            files = json.loads(body)["files"]
+            self.answer({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+        elif "/commit/" in url.path:
+            hub.commit_started.set()
+            hub.release.wait(120)
+            repo = url.path.split("/")[3:5]
+            self.answer(
+                {
+                    "commitUrl": f"{hub.url}/{'/'.join(repo)}/commit/{'0' * 40}",
+                    "commitOid": "0" * 40,
+                    "pullRequestUrl": f"{hub.url}/{'/'.join(repo)}/discussions/1",
+                }
+            )
+        else:
+            self.answer({"error": f"not found: {url.path}"}, 404)
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    from huggingface_hub import constants
+
+    hub = FakeHub()
+    thread = threading.Thread(target=hub.serve_forever, daemon=True)
+    thread.start()
+    # What HF_ENDPOINT / HF_HUB_OFFLINE=0 set at import, for this process (conftest keeps the Hub offline otherwise).
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    yield hub
+    hub.release.set()
+    hub.shutdown()
+    hub.server_close()
+
+
+def folder_bytes(folder) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_push_publishes_no_local_path_and_leaves_the_folder_alone(upload_folder, fake_hub, tmp_path, capsys):
+    model, folder = upload_folder
+    # A card as `dualflow finetune` writes it: the usage snippets name the local output folder.
+    write_model_card(folder, model.config, repo_id=str(folder))
+    before = folder_bytes(folder)
+    command = ["push", str(folder), "someone/tiny-dualflow", "--token", "hf_test", "--revision", "v1", "--create-pr"]
+    assert cli_main(command) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip().endswith(f"to {fake_hub.url}/someone/tiny-dualflow/discussions/1")
+    assert folder_bytes(folder) == before
+    paths = fake_hub.paths()
+    assert paths[0] == "/api/repos/create" and "/api/models/someone/tiny-dualflow/branch/v1" in paths
+    commit = next(request for request in fake_hub.requests if "/commit/" in request[0])
+    assert commit[0] == "/api/models/someone/tiny-dualflow/commit/v1" and commit[1] == {"create_pr": ["1"]}
+    assert commit[2]["authorization"] == "Bearer hf_test"
+    uploaded = fake_hub.committed_files()
+    assert set(uploaded) == set(before)
+    card = uploaded["README.md"].decode()
+    assert 'from_pretrained("someone/tiny-dualflow", trust_remote_code=True)' in card
+    assert not [name for name, data in uploaded.items() if str(tmp_path).encode() in data]
+    assert {name: data for name, data in uploaded.items() if name != "README.md"} == {
+        name: data for name, data in before.items() if name != "README.md"
+    }
+
+
+@pytest.fixture
+def adapter_folder(tmp_path):
+    base = tmp_path / "base"
+    model = tiny_model(vocab_size=384)
+    model.save_pretrained(base)
+    adapter = tmp_path / "adapter"
+    add_lora(model, r=2, lora_alpha=4).save_pretrained(adapter)
+    # As `dualflow finetune --lora` writes it: the base named by its absolute path, so that it loads from anywhere here.
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(config | {"base_model_name_or_path": str(base)}))
+    write_adapter_card(adapter, model.config, str(base), repo_id=str(adapter))
+    return adapter
+
+
+def test_adapter_with_a_local_base_needs_the_base_hub_id(adapter_folder, fake_hub, tmp_path, capsys):
+    before = folder_bytes(adapter_folder)
+    assert cli_main(["push", str(adapter_folder), "someone/tiny-lora", "--token", "hf_test"]) == 2
+    assert capsys.readouterr().err == (
+        f"dualflow push: error: the adapter's base model is the local folder {tmp_path / 'base'}, which does not load "
+        "from the Hub: upload the base too and pass its repo id with --base-model-id\n"
+    )
+    assert fake_hub.requests == []
+    command = [
+        "push",
+        str(adapter_folder),
+        "someone/tiny-lora",
+        "--token",
+        "hf_test",
+        "--base-model-id",
+        "someone/tiny",
+    ]
+    assert cli_main(command) == 0, capsys.readouterr().err
+    uploaded = fake_hub.committed_files()
+    assert json.loads(uploaded["adapter_config.json"])["base_model_name_or_path"] == "someone/tiny"
+    card = uploaded["README.md"].decode()
+    assert "base_model: someone/tiny" in card and "`someone/tiny`" in card
+    assert 'AutoPeftModelForCausalLM.from_pretrained("someone/tiny-lora", trust_remote_code=True)' in card
+    assert not [name for name, data in uploaded.items() if str(tmp_path).encode() in data]
+    assert uploaded["adapter_model.safetensors"] == before["adapter_model.safetensors"]
+    assert folder_bytes(adapter_folder) == before
+    assert published_files(adapter_folder, "someone/tiny-lora", "adapter", "someone/tiny") == {
+        name: uploaded[name] for name in ("README.md", "adapter_config.json")
+    }
+
+
+PUSH_COMMAND = [sys.executable, "-m", "dualflow.cli", "push"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_push_interrupted_during_the_upload_leaves_the_folder_as_it_was(upload_folder, tmp_path, signum):
+    model, folder = upload_folder
+    (folder / "README.md").unlink()  # a push adds the Dual-Flow card: to the upload only
+    before = folder_bytes(folder)
+    hub = FakeHub()
+    hub.release.clear()  # the commit request waits: the upload is under way when the signal comes
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    env = hermetic_env(tmp_path, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_TELEMETRY="1")
+    command = PUSH_COMMAND + [str(folder), "someone/tiny-dualflow", "--token", "hf_test"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not hub.commit_started.wait(0.1):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        hub.release.set()
+        hub.shutdown()
+        hub.server_close()
+    expected = (130, "interrupted") if signum == signal.SIGINT else (143, "terminated (SIGTERM)")
+    assert (process.returncode, stderr.strip().splitlines()[-1]) == (expected[0], f"dualflow push: {expected[1]}")
+    assert "Traceback" not in stderr
+    assert folder_bytes(folder) == before
