@@ -19,10 +19,12 @@ def aux_fields(body: object) -> list[str]:
 
 
 async def refuse_aux_fields(request: Request, call_next):
-    if request.method == "POST" and request.headers.get("content-type", "").startswith("application/json"):
+    # Every POST body is read, whatever its Content-Type says: vLLM takes `Application/JSON; charset=utf-8` as JSON,
+    # and a JSON body under another type must not pass either.
+    if request.method == "POST":
         try:
             fields = aux_fields(json.loads(await request.body()))
-        except ValueError:  # not JSON: the server's own validation answers
+        except ValueError:  # not JSON (UnicodeDecodeError included): the server's own validation answers
             fields = []
         if fields:
             message = (
