@@ -1,4 +1,4 @@
-"""`--verify`: the converted checkpoint must reproduce its source (docs/design.md §7.2) on a fixed prompt."""
+"""`--verify`: the converted checkpoint must reproduce its source, run by transformers' own class, on a fixed prompt."""
 
 import torch
 from transformers import AutoModelForCausalLM

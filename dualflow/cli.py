@@ -17,7 +17,7 @@ from .errors import DualFlowUserError, sigterm_as_interrupt
 COMMANDS = {
     "demo": (
         "dualflow.instruments.demo",
-        "build, convert, generate and compare a tiny MoE (offline; 2-3 minutes on a busy 2-core CPU)",
+        "build, convert, generate and compare a tiny MoE (offline, no downloads; a few minutes on a CPU)",
     ),
     "convert": ("dualflow.convert.cli", "upcycle a transformers checkpoint into a Dual-Flow checkpoint"),
     "finetune": (
