@@ -2,6 +2,7 @@
 
 import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,3 +163,23 @@ def test_ctrl_c_of_a_parallel_experiment_is_one_line(tmp_path):
     assert process.returncode == 130
     assert "Traceback" not in stderr and "ForkPoolWorker" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "dualflow experiment: interrupted"
+
+
+# Notes about the machine something was measured on, or paths of this repository a user of the package does not have.
+MACHINE_OR_REPOSITORY_NOTE = re.compile(
+    r"\d-core|\bcores\b|busy|load average|\bVM\b|docs/|tests/|benchmarks/|DESIGN|design\.md"
+)
+
+
+def test_cli_convert_and_sharing_code_speak_to_users():
+    root = Path(__file__).parent.parent
+    shipped = [root / "dualflow" / name for name in ("cli.py", "hub.py", "model_card.py", "staging.py", "errors.py")]
+    shipped += sorted((root / "convert").glob("*.py")) + sorted((root / "model_cards").glob("*.md"))
+    shipped.append(root / "dualflow" / "serving" / "middleware.py")
+    notes = [
+        f"{path.relative_to(root)}:{number}: {line.strip()}"
+        for path in shipped
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if MACHINE_OR_REPOSITORY_NOTE.search(line)
+    ]
+    assert notes == []
