@@ -1,5 +1,5 @@
-"""Training cost per token of `dualflow experiment` arms, side by side in one run: the aux flow at a fraction of the
-positions (`aux_train_fraction`) against single-flow k2 and the same design at every position.
+"""Training cost per token of `dualflow experiment` arms, side by side in one run: dual-flow designs against
+single-flow k2.
 
     python benchmarks/train_step_cost.py [--steps 4 --repeats 3 --arms "single k2" "dual kp2 ka4 aux emb copied"]
 
@@ -22,11 +22,7 @@ BEST = "dual kp2 ka4 r2 gate 1 aux emb copied plw 0.5"
 DEFAULT_ARMS = [
     "single k2",
     BEST,
-    f"{BEST} f0.5",
-    f"{BEST} f0.25",
-    f"{BEST} f0.125",
     "dual kp2 ka4 aux emb copied",
-    "dual kp2 ka4 aux emb copied f0.25",
 ]
 
 

@@ -1,14 +1,21 @@
 """DualFlow model configuration."""
 
+import math
+
 from huggingface_hub.dataclasses import strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
 
 
 QK_NORM_KINDS = (None, "per_head", "full")
 AUX_EMBED_INITS = ("independent", "copy")
-AUX_TRAIN_POSITIONS = ("random", "last")
+# Fields of earlier versions that a saved config may still carry: read, ignored, and dropped with one warning.
+RETIRED_FIELDS = ("aux_train_fraction", "aux_train_positions")
 
 
 @strict
@@ -33,22 +40,18 @@ class DualFlowConfig(PreTrainedConfig):
         use_aux_flow (`bool`): default for the `use_aux_flow` forward/generate argument.
         aux_num_rounds (`int`): passes of the aux flow through the layers (R). Rounds after the first run the aux rows
             alone against the primary K/V of the first round and write nothing; each layer gates their residual
-            updates with a zero-initialised `aux_round_gate`, so a converted model still computes as its source. 1 (the
-            default) is the paper's form and builds no gates.
+            updates with an `aux_round_gate` that starts at `aux_round_gate_init` (open in a new model, closed in a
+            converted one, which so still computes as its source). 1 (the default) is the paper's form and builds no
+            gates.
         aux_embed_init (`str`): how a model built from scratch starts its aux token embedding: "copy" (the default: a
-            copy of the primary embedding, as conversion writes; trained from scratch it measured better,
-            docs/results/README.md) or "independent" (a random draw of its own, like any embedding). Loaded weights
+            copy of the primary embedding, as conversion writes; it trained better from scratch in the Dual-Flow
+            experiments) or "independent" (a random draw of its own, like any embedding). Loaded weights
             are never touched.
         aux_round_gate_init (`float`, *optional*): value the round gates start at when weights are initialised (a model
             built from scratch, or gates a checkpoint lacks). `None` (the default) means 1 for a config made with
-            `aux_num_rounds` > 1 (open gates measured better from scratch, docs/results/README.md) and 0 otherwise;
+            `aux_num_rounds` > 1 (open gates trained better from scratch in the Dual-Flow experiments) and 0 otherwise;
             the config stores the number, so a saved model keeps it. 0 makes the extra rounds start as the identity,
             which conversion writes.
-        aux_train_fraction (`float`): fraction of the positions at which a training forward (model in training mode,
-            `labels` given) runs the aux flow; its CE is the mean over those positions. 1 (the default) trains it at
-            every position. Prefill, decode, evaluation and the primary flow are unchanged: a cheaper training step.
-        aux_train_positions (`str`): which positions with `aux_train_fraction` < 1: "random" (drawn anew each forward,
-            the same for every sequence of the batch) or "last" (the last ones of each sequence).
         aux_adapter_rank (`int`): rank of the aux adapters, low-rank deltas on each layer's q_proj, o_proj and MLP / MoE
             block output that act on aux rows only (`aux_q_adapter`, `aux_o_adapter`, `aux_mlp_adapter`); their up
             projection starts at zero, so a converted model still computes as its source. 0 (the default) builds none.
@@ -108,7 +111,7 @@ class DualFlowConfig(PreTrainedConfig):
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float | int = 1e-6
     use_cache: bool = True
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
@@ -125,22 +128,23 @@ class DualFlowConfig(PreTrainedConfig):
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] | None = None
-    router_aux_loss_coef: float = 0.001
+    router_aux_loss_coef: float | int = 0.001
     output_router_logits: bool = False
     aux_num_experts_per_tok: int | None = None
-    primary_loss_weight: float = 1.0
+    primary_loss_weight: float | int = 1.0
     use_aux_flow: bool = True
     aux_embed_init: str = "copy"
     aux_num_rounds: int = 1
-    aux_round_gate_init: float | None = None
+    aux_round_gate_init: float | int | None = None
     aux_adapter_rank: int = 0
-    aux_train_fraction: float = 1.0
-    aux_train_positions: str = "random"
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self, **kwargs):
+        retired = [name for name in RETIRED_FIELDS if kwargs.pop(name, None) is not None]
+        if retired:
+            logger.warning(f"{', '.join(retired)}: no longer a Dual-Flow config field, ignored")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -173,7 +177,7 @@ class DualFlowConfig(PreTrainedConfig):
         if model_type not in (None, cls.model_type):
             raise ValueError(
                 f"{pretrained_model_name_or_path} holds a {model_type!r} checkpoint, not a Dual-Flow one: convert it "
-                f"first with `dualflow convert {pretrained_model_name_or_path} OUT`"
+                f"first (pip install dualflow-transformers; dualflow convert {pretrained_model_name_or_path} OUT)"
             )
         return config_dict, kwargs
 
@@ -206,9 +210,16 @@ class DualFlowConfig(PreTrainedConfig):
             "head_dim",
             "moe_intermediate_size",
         )
-        for name in positive:
+        for name in (*positive, "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for name in ("primary_loss_weight", "router_aux_loss_coef"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not math.isfinite(self.aux_round_gate_init):
+            raise ValueError(f"aux_round_gate_init must be a finite number, got {self.aux_round_gate_init}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads ({self.num_key_value_heads}) must divide num_attention_heads "
@@ -228,17 +239,14 @@ class DualFlowConfig(PreTrainedConfig):
             raise ValueError(f"aux_num_rounds must be >= 1, got {self.aux_num_rounds}")
         if self.aux_adapter_rank < 0:
             raise ValueError(f"aux_adapter_rank must be >= 0 (0 = no adapters), got {self.aux_adapter_rank}")
-        if not 0 < self.aux_train_fraction <= 1:
-            raise ValueError(f"aux_train_fraction must be in (0, 1], got {self.aux_train_fraction}")
-        if self.aux_train_positions not in AUX_TRAIN_POSITIONS:
-            raise ValueError(
-                f"aux_train_positions must be one of {AUX_TRAIN_POSITIONS}, got {self.aux_train_positions!r}"
-            )
-        if self.primary_loss_weight < 0:
-            raise ValueError(f"primary_loss_weight must be >= 0, got {self.primary_loss_weight}")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}")
-        if self.num_experts == 0:
+        if self.num_experts == 0:  # dense: top-k fields ignored, but a different aux top-k asks for experts
+            if self.aux_num_experts_per_tok != self.num_experts_per_tok:
+                raise ValueError(
+                    f"aux_num_experts_per_tok={self.aux_num_experts_per_tok} needs a MoE model (num_experts > 0); "
+                    "this config is dense"
+                )
             return
         for name in ("num_experts_per_tok", "aux_num_experts_per_tok"):
             value = getattr(self, name)

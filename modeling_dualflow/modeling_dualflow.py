@@ -1,4 +1,4 @@
-"""PyTorch Dual-Flow causal LM (arXiv 2608.12385; design: docs/design.md in the dualflow-transformers repository).
+"""PyTorch Dual-Flow causal LM (arXiv 2608.12385; the design is documented with the dualflow-transformers package).
 
 Every layer works on one stacked tensor `(batch, T + P, hidden)`: rows `[:T]` are the primary flow (all input
 positions), rows `[T:]` are the auxiliary flow at the `P` positions whose next token is predicted. Shared weights see
@@ -43,7 +43,7 @@ from .configuration_dualflow import DualFlowConfig
 # `past_key_values` to `cache`, and `generate` passes and reads the name of the installed version (5.24 still takes the
 # old one, with a deprecation warning). So the forwards take both keywords (`cache` wins), outputs are built and read
 # under CACHE_FIELD, `_skip_keys_device_placement` (and the config's `keys_to_ignore_at_inference`) name both, and
-# `create_causal_mask` gets the cache by position. tests/test_versions.py pins this at each end of the range.
+# `create_causal_mask` gets the cache by position.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 # transformers has no public way to ask which outputs the running `capture_outputs` call records. Recorded hidden
@@ -72,26 +72,6 @@ class DualFlowRMSNorm(LlamaRMSNorm):
 
 class DualFlowRotaryEmbedding(LlamaRotaryEmbedding):
     pass
-
-
-class DualFlowLMHead(nn.Linear):
-    """
-    Output projection with a CPU path for the few rows of a decode step (primary + aux row per sequence): MKL runs
-    `x @ W.T` with 2-64 rows far below memory bandwidth, `W @ x.T` does not. Measured at hidden 2048, vocab 128256,
-    fp32, 2 threads (benchmarks/lm_head_cpu.py, medians): 2 rows 943 -> 535 ms, 4 rows 1200 -> 659 ms, 16 rows 2131 ->
-    1426 ms, 64 rows 3880 -> 3062 ms. A single row gains nothing (420 vs 503 ms) and takes the plain path.
-    """
-
-    max_rows_for_transposed_matmul = 64
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        rows = hidden_states.numel() // hidden_states.shape[-1]
-        if hidden_states.device.type != "cpu" or not 2 <= rows <= self.max_rows_for_transposed_matmul:
-            return super().forward(hidden_states)
-        logits = (self.weight @ hidden_states.reshape(rows, -1).T).T.contiguous()
-        if self.bias is not None:
-            logits = logits + self.bias
-        return logits.reshape(*hidden_states.shape[:-1], -1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -303,7 +283,7 @@ def route_two_top_k(
     router_probs: torch.Tensor, is_aux_row: torch.Tensor, top_k: int, aux_top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    The two-top-k routing rule of the shared router (DESIGN §5): each row takes the top-k of its router probabilities
+    The two-top-k routing rule of the shared router: each row takes the top-k of its router probabilities
     for its own flow (k_p = `top_k` for primary rows, k_a = `aux_top_k` for aux rows), weights renormalised over those
     k when `norm_topk_prob`.
 
@@ -581,9 +561,9 @@ class DualFlowPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     # Serving engines' attention backends (vLLM / TGI through transformers) assume one query row per key row written
-    # to their paged cache; the aux rows break that. Engines use `dualflow.serving` instead.
+    # to their paged cache; the aux rows break that. The dualflow-transformers package brings its own vLLM model.
     _supports_attention_backend = False
-    # Both flows, both expert fan-outs and a static cache trace into one graph (tests/test_compile.py).
+    # Both flows, both expert fan-outs and a static cache trace into one graph.
     _can_compile_fullgraph = True
     # Recorded over the stacked rows; `DualFlowModel.forward` splits them into the primary and the aux flow's fields.
     _can_record_outputs = {
@@ -646,6 +626,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
         shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
         if len(shape) != 2:
             raise ValueError(f"input_ids must have shape (batch, sequence_length), got {tuple(shape)}")
+        if 0 in shape:
+            raise ValueError(f"input_ids has shape {tuple(shape)}: give at least one sequence of at least one token")
         if aux_inputs_embeds is not None and tuple(aux_inputs_embeds.shape[:-1]) != tuple(shape):
             raise ValueError(
                 f"aux_inputs_embeds has shape {tuple(aux_inputs_embeds.shape)}, expected {(*shape, 'hidden')} "
@@ -855,7 +837,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         if num_rounds > 1 and self.config.aux_num_rounds == 1:
             raise ValueError(
                 "aux_num_rounds > 1 needs a model built with aux_num_rounds > 1 (it holds the round gates); "
-                "convert with --aux-rounds"
+                "(a converted model gets them from `dualflow convert --aux-rounds`)"
             )
 
         if use_cache and cache is None:
@@ -956,7 +938,7 @@ def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bo
 
 def positions_to_keep(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
     """
-    Sequence indices whose logits are requested (docs/design.md §5b): 0 = all, int k = last k, tensor = those indices.
+    Sequence indices whose logits are requested: 0 = all, int k = last k, tensor = those indices.
     Both flows' logits are taken there, and the aux flow runs there.
     """
     if isinstance(logits_to_keep, torch.Tensor):
@@ -981,7 +963,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = DualFlowModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = DualFlowLMHead(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def aux_parameter_names(self) -> list[str]:
@@ -994,7 +976,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
     def freeze_for_aux_training(self) -> "DualFlowForCausalLM":
         """
         Cheap upcycling recipe: train only the aux flow's own parameters (`aux_parameter_names`). Every shared weight
-        stays frozen, so the primary flow, its logits and its cache stay bit-identical to the source model.
+        stays frozen, so the primary flow, its logits and its cache stay bit-identical to the model before training.
         """
         return self._train_only(aux_flow=True)
 
@@ -1092,10 +1074,6 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         device = (input_ids if input_ids is not None else inputs_embeds).device
         keep_positions = positions_to_keep(logits_to_keep, seq_len, device)
         keep_all = keeps_every_position(logits_to_keep, seq_len)
-        training_positions = None  # where a training forward runs the aux flow with aux_train_fraction < 1
-        if use_aux_flow and labels is not None and keep_all and self.training and self.config.aux_train_fraction < 1:
-            training_positions = self._aux_training_positions(seq_len, device)
-        aux_positions = logits_to_keep if training_positions is None else training_positions
 
         outputs: DualFlowModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -1105,7 +1083,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_router_logits=output_router_logits,
-            aux_positions=aux_positions if use_aux_flow else None,
+            aux_positions=logits_to_keep if use_aux_flow else None,
             aux_inputs_embeds=aux_inputs_embeds,
             aux_num_experts_per_tok=aux_num_experts_per_tok,
             aux_num_rounds=aux_num_rounds,
@@ -1117,11 +1095,9 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         if not keep_all:
             # `.to`: under a device_map the last layer may sit on another device than the inputs.
             primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
-        if use_aux_flow and training_positions is None:
+        if use_aux_flow:
             all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
             primary_logits, logits = all_logits.split(primary_rows.shape[0], dim=0)
-        elif use_aux_flow:  # training at a fraction of the positions: fewer aux rows than primary ones
-            primary_logits, logits = self.lm_head(primary_rows), self.lm_head(outputs.aux_last_hidden_state)
         else:
             primary_logits = logits = self.lm_head(primary_rows)
 
@@ -1131,20 +1107,13 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
                 raise ValueError("labels need logits at every position: leave logits_to_keep at 0")
             loss = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
             if use_aux_flow:
-                if training_positions is None:
-                    aux_ce = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-                else:
-                    aux_ce = self._aux_training_loss(logits, labels, training_positions, **kwargs)
+                aux_ce = self.loss_function(logits, labels, self.vocab_size, **kwargs)
                 loss = aux_ce + self.config.primary_loss_weight * loss
 
         aux_loss = None
         if output_router_logits and outputs.router_logits:
             aux_loss = self._router_balance_loss(
-                outputs,
-                attention_mask,
-                seq_len,
-                keep_positions if training_positions is None else training_positions,
-                aux_num_experts_per_tok,
+                outputs, attention_mask, seq_len, keep_positions, aux_num_experts_per_tok
             )
             if loss is not None:
                 balance_loss = self.config.router_aux_loss_coef * aux_loss.to(loss.device)
@@ -1168,26 +1137,6 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             aux_hidden_states=outputs.aux_hidden_states,
             aux_attentions=outputs.aux_attentions,
             aux_router_logits=outputs.aux_router_logits,
-        )
-
-    def _aux_training_positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """
-        Positions at which a training forward runs the aux flow when `config.aux_train_fraction` < 1 (sorted; the
-        last position is left out: it has no next token to learn from).
-        """
-        labelled = max(seq_len - 1, 1)
-        count = max(1, round(self.config.aux_train_fraction * labelled))
-        if self.config.aux_train_positions == "last":
-            return torch.arange(labelled - count, labelled, device=device)
-        return torch.randperm(labelled, device=device)[:count].sort().values
-
-    def _aux_training_loss(self, logits, labels, positions, num_items_in_batch=None, **kwargs):
-        """The aux CE over the rows at `positions` (logits `(batch, len(positions), vocab)`): their next tokens."""
-        shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:][:, positions]
-        if num_items_in_batch is not None:  # Trainer counts every label of the batch: this flow sees its share
-            num_items_in_batch = num_items_in_batch * positions.numel() / labels.shape[-1]
-        return self.loss_function(
-            logits, None, self.vocab_size, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
         )
 
     def _router_balance_loss(self, outputs, attention_mask, seq_len, keep_positions, aux_top_k):

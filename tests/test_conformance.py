@@ -177,6 +177,21 @@ def test_forward_outputs_are_qwen3_moe_outputs_plus_aux_fields():
     assert [h.shape for h in actual.aux_hidden_states] == [(2, 3, 32)] * 3
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_primary_flow_is_qwen3_moe_bit_for_bit_with_the_aux_flow_off(attn):
+    """What docs/training.md promises: the converted model, aux flow off, computes the source model's exact logits."""
+    oracle, dual = oracle_and_dualflow(aux_differs=True, aux_num_experts_per_tok=3)
+    for model in (oracle, dual):
+        model.set_attn_implementation(attn)
+    input_ids, attention_mask = prompt()
+    with torch.no_grad():
+        expected = oracle(input_ids, attention_mask=attention_mask).logits
+        assert torch.equal(dual(input_ids, attention_mask=attention_mask, use_aux_flow=False).logits, expected)
+        # aux flow on: the primary rows share their matmuls with the aux rows, equal up to float rounding
+        both = dual(input_ids, attention_mask=attention_mask).primary_logits
+    torch.testing.assert_close(both, expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("selection", [[0, 2, -1], [1], -1])
 def test_output_hidden_states_as_layer_indices(selection):
     """transformers 5 lets `output_hidden_states` select layers; the causal LM returns what Qwen3-MoE returns."""

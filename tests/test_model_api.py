@@ -128,8 +128,8 @@ def test_from_pretrained_of_another_architecture_says_to_convert(tiny_mixtral, l
         load(tiny_mixtral)
     message = str(error.value)
     assert message == (
-        f"{tiny_mixtral} holds a 'mixtral' checkpoint, not a Dual-Flow one: convert it first with "
-        f"`dualflow convert {tiny_mixtral} OUT`"
+        f"{tiny_mixtral} holds a 'mixtral' checkpoint, not a Dual-Flow one: convert it first "
+        f"(pip install dualflow-transformers; dualflow convert {tiny_mixtral} OUT)"
     )
     with pytest.raises(ValueError, match="not a Dual-Flow one"):
         DualFlowConfig.from_pretrained(tiny_mixtral)

@@ -199,44 +199,6 @@ ARMS = (
 )
 BEST_DESIGN = {"aux_num_rounds": 2, "aux_round_gate_init": 1.0, "aux_embed_init": "copy", "primary_loss_weight": 0.5}
 BEST_SUFFIX = "r2 gate 1 aux emb copied plw 0.5"
-FRACTION_ARMS = (
-    *(
-        dual(
-            2,
-            4,
-            f"{BEST_SUFFIX} f{f}",
-            f"fraction: the best design, aux flow trained at a random {f:.1%} of positions",
-            **BEST_DESIGN,
-            aux_train_fraction=f,
-        )
-        for f in (0.5, 0.25, 0.125)
-    ),
-    dual(
-        2,
-        4,
-        f"{BEST_SUFFIX} f0.25 last",
-        "fraction: the best design, aux flow trained at the last 25% of positions",
-        **BEST_DESIGN,
-        aux_train_fraction=0.25,
-        aux_train_positions="last",
-    ),
-    dual(
-        2,
-        4,
-        "r2 gate 1 aux emb copied f0.25 plw 2",
-        "fraction: the best design at a random 25%, primary weight 0.5 / 0.25 (the aux CE weighed by f, rescaled)",
-        **(BEST_DESIGN | {"primary_loss_weight": 2.0}),
-        aux_train_fraction=0.25,
-    ),
-    dual(
-        2,
-        4,
-        "aux emb copied f0.25",
-        "fraction: one round, aux embedding copied, a random 25% of positions",
-        aux_embed_init="copy",
-        aux_train_fraction=0.25,
-    ),
-)
 SIZE_ARMS = tuple(
     arm
     for hidden in (64, 144)
@@ -313,7 +275,7 @@ TOKEN_ARMS = tuple(
     )
     if arm.name != "single k2 2x tokens"  # in ARMS already
 )
-ARMS = ARMS + FRACTION_ARMS + SIZE_ARMS + TOKEN_ARMS
+ARMS = ARMS + SIZE_ARMS + TOKEN_ARMS
 ARMS_BY_NAME = {arm.name: arm for arm in ARMS}
 DEPTH_ARM = "single k2 2x depth"
 DESIGN_REFERENCE = "dual kp2 ka4"  # today's default, which each design variant changes in one way
@@ -335,7 +297,6 @@ ARM_GROUPS = {
     "all": tuple(ARMS_BY_NAME),
     "design": ("single k2", "single k2 2x depth", "dual kp2 ka4")
     + tuple(arm.name for arm in ARMS if arm.role.startswith("design")),
-    "fraction": ("single k2",) + tuple(arm.name for arm in FRACTION_ARMS),
     "size": ("single k2",) + tuple(arm.name for arm in SIZE_ARMS),
     # seed-major runs go cheapest budget first, so a run cut short still has whole budgets
     "tokens": tuple(TOKEN_STUDY.values())
@@ -348,7 +309,7 @@ FLOPS_FORMULA = (
     "2*d*2*kv_dim (primary flow only: the aux flow reads the primary K/V); attention 2*2*ctx*q_dim (scores and "
     "weighted sum over ctx keys); router 2*d*E; experts top_k*2*3*d*I; plus the LM head 2*d*V per flow. The aux flow "
     "counts its layers once per round (aux_num_rounds). Training uses ctx=(T+1)/2 (causal average over a block of T) "
-    "and aux rows at the aux_train_fraction of the positions (1: every position), and counts 3x the forward (backward = 2x forward). Prefill = primary flow at "
+    "and aux rows at every position, and counts 3x the forward (backward = 2x forward). Prefill = primary flow at "
     "ctx=(T+1)/2; decode = primary (+ aux for dual-flow) at ctx=T. Norms, softmax, RoPE and embeddings are left out."
 )
 
@@ -377,7 +338,7 @@ def arm_costs(arm: Arm, scale: TinyScale) -> dict:
     train_forward, decode, decode_experts = prefill, flow_forward_flops(config, scale.block_size, top_k), top_k
     if arm.dual:
         rounds = config.aux_num_rounds
-        train_forward += config.aux_train_fraction * flow_forward_flops(config, train_ctx, aux_top_k, aux=True)
+        train_forward += flow_forward_flops(config, train_ctx, aux_top_k, aux=True)
         decode += flow_forward_flops(config, scale.block_size, aux_top_k, aux=True)
         decode_experts += rounds * aux_top_k
     train_tokens = arm.steps(scale) * scale.batch_size * scale.block_size
@@ -410,11 +371,6 @@ def select_arms(names) -> list[Arm]:
     return [ARMS_BY_NAME[name] for name in chosen]
 
 
-# Each arm trained at a fraction of the positions, and the same design at every position (its f = 1).
-FRACTION_REFERENCE = {
-    **{arm.name: f"dual kp2 ka4 {BEST_SUFFIX}" for arm in FRACTION_ARMS if arm.config.get("aux_num_rounds") == 2},
-    "dual kp2 ka4 aux emb copied f0.25": "dual kp2 ka4 aux emb copied",
-}
 SIZE_STUDY = {  # the arms the size study compares at each size: baseline, 2x depth, the paper's design, the best one
     "baseline": BASELINE.name,
     "depth": DEPTH_ARM,

@@ -20,11 +20,9 @@ from .plots import plot_depth_share_vs_size, plot_frontier, plot_loss_curves, pl
 from .report import (
     SCHEMA,
     command_line,
-    format_fraction_table,
     format_size_table,
     format_table,
     format_token_table,
-    fraction_study,
     previous_runs,
     print_footer,
     size_study,
@@ -64,7 +62,7 @@ def build_parser(prog: str = "dualflow experiment") -> argparse.ArgumentParser:
         nargs="+",
         metavar="ARM",
         help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default). Arms: {', '.join(repr(n) for n in ARMS_BY_NAME)}. "
-        "With --regime upcycle: recipes or groups (default, lr, fraction, all)",
+        "With --regime upcycle: recipes or groups (default, lr, all)",
     )
     parser.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
     parser.add_argument(
@@ -145,8 +143,6 @@ def run(args) -> int:
         report["table"] = format_table(report["arms"])
         report["size_study"] = size_study(report["arms"], scale)
         report["size_table"] = format_size_table(report["size_study"])
-        report["fraction_study"] = fraction_study(report["arms"], results)
-        report["fraction_table"] = format_fraction_table(report["fraction_study"])
         report["token_study"] = token_study(report["arms"], results, scale)
         report["token_table"] = format_token_table(report["token_study"])
         (out / "experiment.json").write_text(json.dumps(report, indent=1))
@@ -168,7 +164,7 @@ def run(args) -> int:
         written.append(out / "token_scaling.png")
         plot_token_scaling(report, written[-1])
     print(report["table"])
-    for table in ("size_table", "fraction_table", "token_table"):
+    for table in ("size_table", "token_table"):
         if report[table.replace("table", "study")]:
             print(f"\n{report[table]}")
     print(

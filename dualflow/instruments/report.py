@@ -8,15 +8,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import DualFlowUserError
-from .arms import BASELINE, DESIGN_REFERENCE, FRACTION_REFERENCE, SIZE_STUDY, TOKEN_BUDGETS, TOKEN_STUDY, arm_costs
+from .arms import BASELINE, DESIGN_REFERENCE, SIZE_STUDY, TOKEN_BUDGETS, TOKEN_STUDY, arm_costs
 from .scale import TinyScale
 from .stats import depth_gain_share, format_error, mean_and_error, paired_differences, ratio_and_error
 from .tables import text_table
 
 
 SCHEMA = "dualflow-experiment/2"
-COST_TARGET = 1.3  # training cost per token of a fraction arm, in single-flow k2 units
-GAIN_TARGET = 0.9  # share of the same design's gain at every position
 DEPTH_SHARE_TARGET = 0.75  # token study: a design's share of 2x depth's gain at some budget
 RETENTION_TARGET = 0.5  # token study: a design's gain at the largest budget over its gain at 1x
 
@@ -92,41 +90,6 @@ def size_study(summary: list[dict], scale: TinyScale) -> list[dict]:
                 "depth_gain_share": entries[role]["depth_gain_share"],
             }
         rows.append(row)
-    return rows
-
-
-def fraction_study(summary: list[dict], results: dict) -> list[dict]:
-    """
-    Per arm trained at a fraction of the positions: its gains, the share of the same design's gain at every position,
-    and its training cost per token in single-flow k2 units (measured CPU seconds and analytic FLOPs).
-    """
-    by_name = {entry["name"]: entry for entry in summary}
-    baseline = by_name.get(BASELINE.name)
-    rows = []
-    for name, reference in FRACTION_REFERENCE.items():
-        if name not in by_name or reference not in by_name or baseline is None:
-            continue
-        entry = by_name[name]
-        gains = paired_differences(results[name], results[BASELINE.name])
-        reference_gains = paired_differences(results[reference], results[BASELINE.name])
-        share = ratio_and_error(gains, reference_gains)
-        cost = baseline["tokens_per_cpu_s"] / entry["tokens_per_cpu_s"]
-        flops = entry["train_flops_per_token"] / baseline["train_flops_per_token"]
-        rows.append(
-            {
-                "name": name,
-                "fraction": entry["config"]["aux_train_fraction"],
-                "positions": entry["config"].get("aux_train_positions", "random"),
-                "reference": reference,
-                "delta": entry["val_loss_delta"],
-                "primary_delta": entry["primary_val_loss_delta"],
-                "share_of_reference_gain": share,
-                "train_cost_cpu": cost,
-                "train_cost_flops": flops,
-                "reference_train_cost_cpu": baseline["tokens_per_cpu_s"] / by_name[reference]["tokens_per_cpu_s"],
-                "wins": bool(share and share["ratio"] >= GAIN_TARGET and cost <= COST_TARGET),
-            }
-        )
     return rows
 
 
@@ -290,23 +253,6 @@ def format_size_table(rows: list[dict]) -> str:
                 format_share(*depth_share(paper)),
                 format_error(best["delta"]),
                 format_share(*depth_share(best)),
-            ]
-        )
-    return text_table(header, lines)
-
-
-def format_fraction_table(rows: list[dict]) -> str:
-    header = ["arm", "Δ vs single k2", "primary Δ", "share of its f=1 gain", "train cost (CPU / FLOPs, x k2)"]
-    lines = []
-    for row in rows:
-        share = row["share_of_reference_gain"] or {"ratio": None, "se": None}
-        lines.append(
-            [
-                row["name"],
-                format_error(row["delta"]),
-                format_error(row["primary_delta"]),
-                format_share(share["ratio"], share["se"]),
-                f"{row['train_cost_cpu']:.2f} / {row['train_cost_flops']:.2f}",
             ]
         )
     return text_table(header, lines)

@@ -96,8 +96,7 @@ def train_model(
     """
     Train the parameters of `model` that require grad on `steps` batches drawn with `batch_seed`, with the recipe of
     `scale` (AdamW, linear warmup, cosine decay to 10% of the peak); leaves the model in eval mode and returns the
-    per-step training NLL of the prediction (of the primary flow when the aux flow trains at a fraction of the
-    positions, `aux_train_fraction` < 1).
+    per-step training NLL of the prediction.
     """
     model.train()
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
@@ -115,8 +114,6 @@ def train_model(
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        # An aux flow trained at a fraction of the positions predicts only there: the curve follows the primary flow.
-        prediction = outputs.logits if outputs.logits.shape[1] == input_ids.shape[1] else outputs.primary_logits
-        curve.append(next_token_nll(prediction.detach(), input_ids).item())
+        curve.append(next_token_nll(outputs.logits.detach(), input_ids).item())
     model.eval()
     return curve

@@ -4,7 +4,7 @@ Per seed: pretrain a single-flow MoE, save it as a transformers Qwen3-MoE checkp
 `convert_checkpoint` (k_a = k_p and k_a = 2 k_p), then continue every recipe for the same tokens on the same new
 batches: the single-flow model continued (what a user would otherwise do), dual full training, dual aux-only, and
 LoRA on the shared weights + the aux flow. Aux (prediction) and primary validation losses are paired by seed.
-`--arms` picks recipes or groups (default, lr, fraction, all); `--resume` trains only the recipe/seed runs an earlier
+`--arms` picks recipes or groups (default, lr, all); `--resume` trains only the recipe/seed runs an earlier
 report lacks, after checking that each seed's retrained base is the one it was paired with.
 """
 
@@ -45,7 +45,7 @@ class Recipe:
     How to continue: `aux_factor` None = single flow, else k_a = aux_factor * k_p; `train` = all / aux / lora;
     `adapter_rank`: converted with aux adapters of that rank (`--aux-adapter-rank`). `lora_rank` None (with train =
     lora): the rank whose trainable parameters match the aux-adapter recipe's. `learning_rate_factor` scales the
-    scale's learning rate; `aux_train_fraction` is the config field (dual training at a fraction of the positions).
+    scale's learning rate.
     """
 
     name: str
@@ -54,7 +54,6 @@ class Recipe:
     adapter_rank: int = 0
     lora_rank: int | None = 16
     learning_rate_factor: float = 1.0
-    aux_train_fraction: float = 1.0
 
 
 DEFAULT_RECIPES = (
@@ -82,15 +81,11 @@ LEARNING_RATE_RECIPES = tuple(
     in ("dual lora+aux ka=2kp", "dual aux-only ka=2kp", "dual aux-only+adapters ka=2kp", "single lora r16")
     for factor in LEARNING_RATE_FACTORS
 )
-FRACTION_RECIPES = tuple(
-    Recipe(f"dual full ka=2kp f{fraction}", 2, "all", aux_train_fraction=fraction) for fraction in (0.5, 0.25)
-)
-RECIPES = DEFAULT_RECIPES + LEARNING_RATE_RECIPES + FRACTION_RECIPES
+RECIPES = DEFAULT_RECIPES + LEARNING_RATE_RECIPES
 RECIPES_BY_NAME = {recipe.name: recipe for recipe in RECIPES}
 RECIPE_GROUPS = {
     "default": tuple(recipe.name for recipe in DEFAULT_RECIPES),
     "lr": tuple(recipe.name for recipe in LEARNING_RATE_RECIPES),
-    "fraction": tuple(recipe.name for recipe in FRACTION_RECIPES),
     "all": tuple(RECIPES_BY_NAME),
 }
 BASELINE = DEFAULT_RECIPES[0].name
@@ -161,8 +156,7 @@ def save_as_qwen3_moe(model: DualFlowForCausalLM, folder: Path) -> Path:
 def trainable_model(recipe: Recipe, folder: Path):
     """Load the converted checkpoint for `recipe` and leave exactly its parameters trainable."""
     dual = recipe.aux_factor is not None
-    overrides = {"aux_train_fraction": recipe.aux_train_fraction} if dual else {}
-    model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=dual, **overrides)
+    model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=dual)
     if recipe.train == "lora":
         rank = recipe.lora_rank or adapter_budget_lora_rank(folder)
         return add_lora(model, r=rank, lora_alpha=2 * rank, train_aux_modules=recipe.aux_factor is not None)
@@ -226,7 +220,6 @@ def upcycle_seed(
                 "seed": seed,
                 "trainable_params": model.num_parameters(only_trainable=True),
                 "learning_rate": recipe_scale.learning_rate,
-                "aux_train_fraction": model.config.aux_train_fraction if recipe.aux_factor else None,
                 **({"lora_rank": model.peft_config["default"].r} if recipe.train == "lora" else {}),
                 # CPU seconds too: on a shared machine the wall clock also counts other processes' turns.
                 "tokens_per_s": tokens / train_s,
