@@ -45,6 +45,8 @@ def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
         help="compare logits (aux on/off) and greedy generations with the source; fail on a mismatch",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--revision", help="for a Hub id: the branch, tag or commit to convert (default: main)")
+    parser.add_argument("--token", help="for a Hub id: Hub token (default: HF_TOKEN or the `hf auth login` token)")
     return parser
 
 
@@ -61,6 +63,8 @@ def run(args) -> int:
         max_shard_size=args.max_shard_size,
         verify=args.verify,
         overwrite=args.overwrite,
+        revision=args.revision,
+        token=args.token,
     )
     experts = (
         f", {summary['num_experts']} experts, k_p={summary['top_k']}, k_a={summary['aux_top_k']}"

@@ -77,10 +77,12 @@ def build_config(
 
 
 def conversion_command(
-    src, out, aux_top_k, dtype_name, max_shard_size, verify, aux_rounds=1, aux_adapter_rank=0
+    src, out, aux_top_k, dtype_name, max_shard_size, verify, aux_rounds=1, aux_adapter_rank=0, revision=None
 ) -> str:
-    """The `dualflow convert` command line equivalent to this call, as the model card records it."""
+    """The `dualflow convert` command line equivalent to this call, as the model card records it (no token)."""
     words = ["dualflow", "convert", str(src), str(out)]
+    if revision is not None:
+        words += ["--revision", revision]
     if aux_top_k is not None:
         words += ["--aux-top-k", str(aux_top_k)]
     if aux_rounds != 1:
@@ -127,6 +129,8 @@ def convert_checkpoint(
     show_progress: bool = True,
     aux_rounds: int = 1,
     aux_adapter_rank: int = 0,
+    revision: str | None = None,
+    token: str | None = None,
 ) -> dict:
     """
     Convert the checkpoint `src` (local folder or Hub repo id) into a Dual-Flow checkpoint folder `out` whose primary
@@ -140,6 +144,8 @@ def convert_checkpoint(
     max_shard_size: output shard size limit ("5GB", "500MB" or bytes).
     verify: compare source and result logits / greedy generations (see `check_parity`); a mismatch raises and
         leaves no `out`.
+    revision, token: for a Hub id, the branch, tag or commit to convert and the token to download it with (default:
+        the `hf auth login` token or HF_TOKEN).
     Returns a summary dict (paths, shapes, tensor counts, and `parity` when verifying). Bad input raises
     DualFlowUserError before anything is written; `out` appears only once it is complete.
     """
@@ -161,7 +167,7 @@ def convert_checkpoint(
     if out.exists() and not overwrite:
         raise DualFlowUserError(f"{out} already exists; pass --overwrite to replace it")
 
-    src_dir, base_model = resolve_source(src)
+    src_dir, base_model = resolve_source(src, revision, token)
     if out.resolve().is_relative_to(src_dir.resolve()):
         raise DualFlowUserError(f"OUT {out} is inside the source folder {src}: choose an output folder outside it")
     if src_dir.resolve().is_relative_to(out.resolve()):
@@ -192,7 +198,7 @@ def convert_checkpoint(
             base_model=base_model,
             license=license_of(src_dir),
             conversion_command=conversion_command(
-                src_name, out_name, aux_top_k, dtype, max_shard_size, verify, aux_rounds, aux_adapter_rank
+                src_name, out_name, aux_top_k, dtype, max_shard_size, verify, aux_rounds, aux_adapter_rank, revision
             ),
             parity=_card_parity(parity),
         )

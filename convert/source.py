@@ -22,10 +22,15 @@ HUB_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+)--(?P<name>[^/]+)/snapshots/
 _TORCH_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def resolve_source(src: str | Path) -> tuple[Path, str | None]:
-    """Local folder for `src` and the Hub repo id it comes from (None if unknown); downloads Hub ids."""
+def resolve_source(src: str | Path, revision: str | None = None, token: str | None = None) -> tuple[Path, str | None]:
+    """
+    Local folder for `src` and the Hub repo id it comes from (None if unknown); downloads Hub ids (at `revision`, a
+    branch, tag or commit, with `token` for private or gated repos).
+    """
     path = Path(src).expanduser()
     if path.is_dir():
+        if revision is not None:
+            raise DualFlowUserError(f"--revision applies to Hub sources; {src} is a local folder")
         match = HUB_CACHE_PATH.search(path.resolve().as_posix())
         return path, f"{match['org']}/{match['name']}" if match else None
     if path.exists():
@@ -37,7 +42,8 @@ def resolve_source(src: str | Path) -> tuple[Path, str | None]:
     # model*.safetensors: transformers' own files only (Mistral repos also hold a consolidated.safetensors copy)
     patterns = ["*.json", "model*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "README.md"]
     try:
-        return Path(snapshot_download(str(src), allow_patterns=patterns)), str(src)
+        folder = snapshot_download(str(src), revision=revision, token=token, allow_patterns=patterns)
+        return Path(folder), str(src)
     except Exception as error:  # huggingface_hub's own messages run to several hundred characters
         raise DualFlowUserError(download_failure(str(src), error)) from error
 

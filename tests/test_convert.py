@@ -220,6 +220,7 @@ def _bad_sources(tmp_path: Path) -> dict:
     _edit_json(untied / "config.json", lambda d: d.update(tie_word_embeddings=False))
     cases["lm_head missing"] = (untied, [], "no lm_head.weight")
     cases["bad shard size"] = (moe, ["--max-shard-size", "lots"], "--max-shard-size")
+    cases["revision of a folder"] = (moe, ["--revision", "v2"], f"--revision applies to Hub sources; {moe} is a local")
     return cases
 
 

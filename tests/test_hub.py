@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import torch
 import yaml
-from helpers import tiny_model
+from helpers import run_dualflow, tiny_model
 from transformers import ByT5Tokenizer
 
 from dualflow.cli import main as cli_main
@@ -153,7 +153,7 @@ def test_push_cli_bad_folder_is_one_line_error(upload_folder, capsys):
 PUSH_WITHOUT_TOKEN = textwrap.dedent(
     """
     import json, sys
-    from helpers import tiny_model
+    from helpers import run_dualflow, tiny_model
     from dualflow.cli import main
     from dualflow.errors import DualFlowUserError
     from dualflow.hub import push_model
@@ -211,7 +211,7 @@ def test_failed_push_changes_nothing_locally(upload_folder, capsys):
 class FakeHub(ThreadingHTTPServer):
     """
     Answers the requests of an upload (create repo, create branch, validate the card, pre-upload, commit) as the Hub
-    does, and records each as (path, query, headers in lower case, body). The commit is answered once `release` is set.
+    does, has no repo to download, and records each request as (path, query, headers in lower case, body). The commit is answered once `release` is set.
     """
 
     def __init__(self):
@@ -275,6 +275,18 @@ class FakeHubHandler(BaseHTTPRequestHandler):
             )
         else:
             self.answer({"error": f"not found: {url.path}"}, 404)
+
+    def do_GET(self):  # repo info: no repo is there to download
+        url = urlsplit(self.path)
+        self.server.requests.append(
+            (url.path, parse_qs(url.query), {k.lower(): v for k, v in self.headers.items()}, b"")
+        )
+        data = json.dumps({"error": "Repository not found"}).encode()
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
 
 @pytest.fixture
@@ -394,3 +406,15 @@ def test_push_interrupted_during_the_upload_leaves_the_folder_as_it_was(upload_f
     assert (process.returncode, stderr.strip().splitlines()[-1]) == (expected[0], f"dualflow push: {expected[1]}")
     assert "Traceback" not in stderr
     assert folder_bytes(folder) == before
+
+
+def test_convert_revision_and_token_reach_the_hub(fake_hub, tmp_path):
+    code, stderr = run_dualflow(
+        "convert", "some-org/tiny-moe", tmp_path / "out", "--revision", "v2", "--token", "hf_private"
+    )
+    assert (code, stderr.count("\n")) == (2, 1), stderr
+    assert "some-org/tiny-moe is neither a local folder nor a Hub repo you can access" in stderr
+    repo_info = [headers for path, _, headers, _ in fake_hub.requests if path.startswith("/api/models/")]
+    assert fake_hub.paths().count("/api/models/some-org/tiny-moe/revision/v2") == len(repo_info) > 0
+    assert {headers["authorization"] for headers in repo_info} == {"Bearer hf_private"}
+    assert os.listdir(tmp_path) == []
