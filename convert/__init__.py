@@ -5,7 +5,9 @@ import importlib
 from .families import SUPPORTED_MODEL_TYPES
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "convert_checkpoint"]
+__all__ = ["DTYPE_NAMES", "SUPPORTED_MODEL_TYPES", "convert_checkpoint"]
+# The output dtypes of a conversion: "auto" keeps each tensor's own.
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 def __getattr__(name: str):

@@ -2,10 +2,7 @@
 
 import argparse
 
-from .families import SUPPORTED_MODEL_TYPES
-
-
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+from . import DTYPE_NAMES, SUPPORTED_MODEL_TYPES
 
 
 def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:

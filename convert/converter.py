@@ -13,7 +13,7 @@ from dualflow.model_card import license_of, write_model_card
 from dualflow.staging import staged_folder
 from modeling_dualflow import DualFlowConfig
 
-from .cli import DTYPE_NAMES
+from . import DTYPE_NAMES
 from .engine import plan_targets, write_checkpoint
 from .families import family_for
 from .source import SourceCheckpoint, resolve_source

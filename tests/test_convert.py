@@ -35,6 +35,12 @@ def test_every_supported_family_is_covered():
     assert set(SUPPORTED_MODEL_TYPES) == set(FAMILIES)
 
 
+def test_the_converter_does_not_import_its_command_line():
+    code = "import sys, dualflow.convert.converter\nprint('dualflow.convert.cli' in sys.modules)"
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert completed.stdout.strip().splitlines()[-1] == "False", completed.stderr[-2000:]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_conversion_parity(family, tmp_path):
     source = make_source(family)
