@@ -5,9 +5,17 @@ from transformers.cache_utils import DynamicCache
 
 class DualFlowCache(DynamicCache):
     """
-    A `DynamicCache` holding the primary flow's K/V only. The auxiliary flow reads these keys/values and writes no
-    state, so the cache of a Dual-Flow model is byte for byte the size of its base model's cache for the same tokens.
-    Sliding-window layers (`config.sliding_window`) are handled as `DynamicCache(config=...)` does.
+    The cache `generate` runs a Dual-Flow model on (and `forward` builds when called with `use_cache=True` and no
+    cache). Its contract:
+
+    - It holds the primary flow's keys and values only, one entry per layer, written by the primary rows. The
+      auxiliary flow reads them and writes nothing, so the cache is byte for byte the size of the base model's cache
+      for the same tokens, and `get_seq_length()` is the number of primary tokens cached (the aux flow adds none).
+    - `nbytes()` says how many bytes the cached keys and values take.
+    - Everything else is `DynamicCache`'s: sliding-window layers (`config.sliding_window`), `offloading=True`,
+      `crop`, `reorder_cache` and `batch_select_indices` for assisted decoding and beam search.
+
+    Static and quantized caches, as transformers prepares them, hold the same primary keys and values and work too.
     """
 
     def nbytes(self) -> int:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from transformers import initialization as init
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -1021,6 +1021,22 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             auto_map["AutoModel"] = "modeling_dualflow.DualFlowModel"
             self.config.auto_map = auto_map
         return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        # The hook in-tree models override to choose their cache (as t5gemma does): where transformers builds a
+        # DynamicCache (no cache given, `cache_implementation` None, "dynamic" or "offloaded"), a new DualFlowCache of
+        # the same layout takes its place. Static and quantized caches and the user's own stay as transformers has them.
+        builds_dynamic = (
+            generation_config.use_cache is not False
+            and generation_config.cache_implementation in (None, "dynamic", "offloaded")
+            and all(model_kwargs.get(name) is None for name in ("past_key_values", "cache"))
+        )
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        if builds_dynamic and isinstance(model_kwargs.get(CACHE_FIELD), DynamicCache):
+            offloading = generation_config.cache_implementation == "offloaded"
+            model_kwargs[CACHE_FIELD] = DualFlowCache(config=self.config, offloading=offloading)
+            if generation_config.is_assistant:  # transformers' rule: an assistant's cache records its past for crop
+                model_kwargs[CACHE_FIELD].activate_past_recording()
 
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, aux_inputs_embeds=None, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)

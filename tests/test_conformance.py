@@ -15,9 +15,10 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import DynamicCache, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD
 
 
 SHARED = dict(
@@ -216,15 +217,41 @@ def test_assistant_with_a_sliding_window_shorter_than_the_sequence():
         assert torch.equal(target.generate(input_ids, assistant_model=assistant, **options), expected)
 
 
-def test_generate_prepares_transformers_cache_and_keeps_user_caches():
+@pytest.mark.parametrize("cache_implementation", [None, "dynamic", "static"])
+def test_generate_prepares_a_dualflow_cache_where_transformers_prepares_a_dynamic_one(cache_implementation):
+    oracle, dual = oracle_and_dualflow(aux_differs=False)
+    input_ids, attention_mask = prompt()
+    options = dict(attention_mask=attention_mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    options["cache_implementation"] = cache_implementation
+    out, expected = dual.generate(input_ids, **options), oracle.generate(input_ids, **options)
+    assert torch.equal(out.sequences, expected.sequences)  # upcycling init: the source model's tokens
+    cache = out.past_key_values
+    if cache_implementation == "static":
+        assert type(cache).__name__ == "StaticCache"
+    else:
+        assert type(cache) is DualFlowCache and type(expected.past_key_values) is DynamicCache
+    assert cache.get_seq_length() == input_ids.shape[1] + 3 - 1
+    assert_same_structure(cache_tensors(cache), cache_tensors(expected.past_key_values), values=True)
+
+
+def test_an_offloaded_cache_is_prepared_as_a_dualflow_cache():
+    # offloading moves layers to a CUDA device and back, so generate cannot run it here: check the preparation
+    _, dual = oracle_and_dualflow(aux_differs=False)
+    for cache_implementation, offloading in (("offloaded", True), ("dynamic", False)):
+        model_kwargs = {}
+        generation_config = GenerationConfig(cache_implementation=cache_implementation)
+        dual._prepare_cache_for_generation(generation_config, model_kwargs, None, 2, 16)
+        [cache] = model_kwargs.values()
+        assert type(cache) is DualFlowCache and cache.offloading is offloading
+
+
+def test_generate_keeps_user_caches():
     _, dual = oracle_and_dualflow(aux_differs=True)
     input_ids, attention_mask = prompt()
     options = dict(attention_mask=attention_mask, max_new_tokens=2, return_dict_in_generate=True)
-    assert type(dual.generate(input_ids, **options).past_key_values) is DynamicCache
-    static = dual.generate(input_ids, cache_implementation="static", **options).past_key_values
-    assert type(static).__name__ == "StaticCache"
-    mine = DualFlowCache(config=dual.config)
-    assert dual.generate(input_ids, past_key_values=mine, **options).past_key_values is mine
+    for mine in (DualFlowCache(config=dual.config), DynamicCache(config=dual.config)):
+        out = dual.generate(input_ids, **{CACHE_FIELD: mine}, **options)
+        assert getattr(out, CACHE_FIELD) is mine
 
 
 class TestInputsEmbeds:

@@ -433,16 +433,15 @@ class TestGenerate:
         assisted = model.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=assistant)
         assert greedy.tolist() == lookup.tolist() == assisted.tolist()
 
-    def test_generate_uses_the_cache_transformers_prepares_and_beam_search_runs(self):
-        # generate prepares the base model's cache (public API only, docs/inference.md); a forward without one builds
-        # a DualFlowCache (TestKvBytes): both hold the primary keys/values only.
+    def test_generate_runs_on_a_dualflow_cache_and_beam_search_runs(self):
         model = tiny_model()
         prompt = torch.randint(0, 97, (2, 4))
         out = model.generate(prompt, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
         cache = getattr(out, CACHE_FIELD)
-        assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 4 + 3 - 1
-        beams = model.generate(prompt, max_new_tokens=3, num_beams=3, do_sample=False)
-        assert beams.shape == (2, 7)
+        assert type(cache) is DualFlowCache and cache.get_seq_length() == 4 + 3 - 1
+        assert cache.nbytes() == 2 * 2 * (2 * 2 * 6 * 8) * 4  # layers x (K, V) x (batch, kv heads, tokens, d) x fp32
+        beams = model.generate(prompt, max_new_tokens=3, num_beams=3, do_sample=False, return_dict_in_generate=True)
+        assert beams.sequences.shape == (2, 7) and type(getattr(beams, CACHE_FIELD)) is DualFlowCache
 
 
 class TestKvBytes:
