@@ -5,8 +5,9 @@ Launched by tests/test_distributed.py as
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/train_fsdp.py MODEL_DIR OUT.json --fsdp
 
-(FSDP2 through Trainer/accelerate; gloo on CPU), and called in-process with `train(...)` for the single-process
-reference. The global batch is the same either way: each of N processes takes `global_batch // N` rows of it.
+(FSDP2 through Trainer/accelerate; gloo on CPU), and run as one process for the reference. The global batch is the same
+either way: each of N processes takes `global_batch // N` rows of it. Before training, every parameter's gradient on
+the first global batch goes to gradients.pt beside OUT.json (gathered whole from the FSDP shards).
 """
 
 import argparse
@@ -15,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -45,13 +47,35 @@ def fsdp_units(model) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
 
 
-def train(model_dir, output_dir, steps: int, global_batch: int, fsdp: bool) -> dict:
-    """Losses of `steps` optimizer steps on `global_batch` rows per step, and the eval loss afterwards."""
+def gradients(model, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """
+    Every parameter's whole gradient of the mean loss over `rows`, each process taking its share of the rows (FSDP2
+    averages the shares' gradients); the model is left without gradients.
+    """
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    share = rows.shape[0] // world_size
+    local = rows[rank * share : (rank + 1) * share]
+    model.train()
+    model(local, labels=local).loss.backward()
+    result = {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+        for name, p in model.named_parameters()
+    }
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def train(model_dir, output_dir, steps: int, global_batch: int, fsdp: bool) -> tuple[dict, dict]:
+    """
+    Losses of `steps` optimizer steps on `global_batch` rows per step and the eval loss afterwards, and the gradients
+    of the first global batch before them.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     train_blocks, eval_blocks = split_blocks(stdlib_blocks(), eval_fraction=0.1)
     # transformers' own FSDP2 (the config's `base_model_fsdp_plan`): accelerate's FSDP plugin needs GPUs.
     distributed_config = DistributedConfig(fsdp_size=world_size) if fsdp else None
     model = DualFlowForCausalLM.from_pretrained(model_dir, distributed_config=distributed_config)
+    first_gradients = gradients(model, train_blocks[:global_batch])
     trainer = make_trainer(
         model,
         train_blocks,
@@ -71,7 +95,7 @@ def train(model_dir, output_dir, steps: int, global_batch: int, fsdp: bool) -> d
         "fsdp_units": fsdp_units(model),
         "train_losses": train_losses,
         "eval_loss": trainer.evaluate()["eval_loss"],
-    }
+    }, first_gradients
 
 
 def main():
@@ -83,9 +107,10 @@ def main():
     parser.add_argument("--fsdp", action="store_true")
     args = parser.parse_args()
     output_dir = Path(args.output_json).parent / "trainer"
-    result = train(args.model_dir, output_dir, args.steps, args.global_batch, args.fsdp)
+    result, first_gradients = train(args.model_dir, output_dir, args.steps, args.global_batch, args.fsdp)
     if int(os.environ.get("RANK", 0)) == 0:
         Path(args.output_json).write_text(json.dumps(result))
+        torch.save(first_gradients, Path(args.output_json).parent / "gradients.pt")
     if dist.is_initialized():
         dist.destroy_process_group()
 
