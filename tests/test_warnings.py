@@ -31,7 +31,6 @@ print(json.dumps({"warnings": [f"{w.category.__name__}: {w.message}" for w in ca
 # The demo's steps (build, convert, load as remote code, generate) and compare's measurement on a tiny model, then LoRA
 # (add, save, load with PEFT).
 PATHS = """
-import tempfile
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ from dualflow.instruments.inputs import data_tokens, load_checkpoint
 from dualflow.instruments.measure import CompareSettings, compare_report
 from dualflow.lora import add_lora
 
-tmp = Path(tempfile.mkdtemp())
+tmp = Path.cwd()  # the test's tmp_path (a folder of mkdtemp's would stay behind)
 convert_checkpoint(demo.tiny_qwen3_moe(tmp / "source"), tmp / "dualflow", aux_top_k=4, verify=True, show_progress=False)
 model = AutoModelForCausalLM.from_pretrained(tmp / "dualflow", trust_remote_code=True).eval()
 for kwargs in ({"use_aux_flow": False}, {"aux_num_experts_per_tok": 2}, {}):
