@@ -9,6 +9,7 @@ fixed-size blocks. The command line is `dualflow.finetune_cli`.
 """
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -17,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
 
@@ -132,6 +132,51 @@ def make_trainer(
     )
 
 
+class StopOnNonFiniteLoss(TrainerCallback):
+    """
+    Stops training at the end of the first optimizer step whose loss (the model's own, read from its forward outputs)
+    or gradients were NaN or inf, and keeps Trainer from checkpointing that step; `diverged_at` is that step, None
+    while everything was finite. (Trainer itself only leaves non-finite losses out of the loss it logs.) Gradients are
+    not checked under --fp16, whose loss scaler skips steps with overflowing gradients by design.
+    """
+
+    def __init__(self):
+        self.diverged_at = None
+        self._step_finite = None  # whether this step's losses and gradients were finite: a tensor, read once per step
+        self._hook = None
+
+    def _record(self, finite: torch.Tensor):
+        self._step_finite = finite if self._step_finite is None else self._step_finite & finite.to(self._step_finite)
+
+    def _record_loss(self, module, inputs, outputs):
+        loss = getattr(outputs, "loss", None)
+        if module.training and loss is not None:
+            self._record(torch.isfinite(loss.detach()).all())
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._hook = model.register_forward_hook(self._record_loss)
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+        if gradients and not args.fp16:
+            self._record(torch.nn.utils.get_total_norm(gradients, norm_type=math.inf).isfinite())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._step_finite is not None and not self._step_finite.item():
+            self.diverged_at = state.global_step
+        self._step_finite = None
+        if self.diverged_at is not None:
+            control.should_training_stop = True
+            control.should_save = False
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.diverged_at is not None:
+            control.should_save = False
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._hook.remove()
+
+
 def flow_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
     """Mean next-token NLL per token (nats) of each flow over `blocks`: {"aux flow": ..., "primary flow": ...}."""
     was_training = model.training
@@ -164,8 +209,8 @@ def training_objective(config) -> str:
 
 def keep_checkpoints(staging: Path, output_dir: Path) -> Path | None:
     """
-    Move the complete Trainer checkpoints of an interrupted run out of its staging folder (removed after this) into
-    OUT-checkpoints next to OUT; returns the last one, None when there is none.
+    Move the complete Trainer checkpoints of a run that stopped early out of its staging folder (removed after this)
+    into OUT-checkpoints next to OUT; returns that folder, None when there was no checkpoint to keep.
     """
     checkpoints = [path for path in staging.glob("checkpoint-*") if (path / "trainer_state.json").is_file()]
     if not checkpoints:
@@ -177,11 +222,38 @@ def keep_checkpoints(staging: Path, output_dir: Path) -> Path | None:
     for checkpoint in checkpoints:
         shutil.rmtree(kept / checkpoint.name, ignore_errors=True)
         checkpoint.rename(kept / checkpoint.name)
-    return Path(get_last_checkpoint(kept))
+    return kept
 
 
-def _resume_advice(kept: Path) -> str:
-    return f"checkpoints kept in {kept.parent}; to go on, rerun with --resume-from-checkpoint {kept}"
+def _step(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("checkpoint-"))
+
+
+def _resume_advice(kept: Path, diverged_at: int | None = None) -> str:
+    """
+    Where the checkpoints are and the one to go on from: the last one, or after a loss that was not finite at step N
+    the last one before N - 1 (checkpoint-(N-1) holds the weights that gave that loss).
+    """
+    checkpoints = sorted(kept.glob("checkpoint-*"), key=_step)
+    advice, change = f"checkpoints kept in {kept}", ""
+    if diverged_at is not None:
+        if any(_step(checkpoint) == diverged_at - 1 for checkpoint in checkpoints):
+            advice += f" (checkpoint-{diverged_at - 1} holds the weights that gave it)"
+        checkpoints = [checkpoint for checkpoint in checkpoints if _step(checkpoint) < diverged_at - 1]
+        change = "a lower --learning-rate and "
+    if checkpoints:
+        advice += f"; to go on, rerun with {change}--resume-from-checkpoint {checkpoints[-1]}"
+    return advice
+
+
+class TrainingDiverged(DualFlowUserError):
+    """The training loss was NaN or inf (StopOnNonFiniteLoss stopped the run)."""
+
+    def __init__(self, step: int):
+        super().__init__(
+            f"training diverged: the loss or its gradients were NaN or inf at step {step}; the model was not saved"
+        )
+        self.step = step
 
 
 # Bytes written to test whether a file system is full: a write that failed leaves less than this free.
@@ -230,7 +302,8 @@ def checkpoints_kept_on_failure(staging: Path, output_dir: Path):
     except Exception as error:
         write_error = _file_system_error(error, staging)  # first: keeping the checkpoints frees space
         kept = keep_checkpoints(staging, output_dir)
-        advice = "" if kept is None else f"; {_resume_advice(kept)}"
+        diverged_at = error.step if isinstance(error, TrainingDiverged) else None
+        advice = "" if kept is None else f"; {_resume_advice(kept, diverged_at)}"
         if write_error is not None:
             raise DualFlowUserError(
                 f"cannot write the output folder {output_dir}: {write_error.strerror}{advice}"
@@ -305,7 +378,11 @@ def finetune(
         before = flow_nll(trainer.model, eval_blocks, eval_batch)
         print(f"eval NLL per token (nats) before: {_format_nll(before)}")
         print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
+        divergence = StopOnNonFiniteLoss()
+        trainer.add_callback(divergence)
         trainer.train(resume_from_checkpoint=resume)
+        if divergence.diverged_at is not None:
+            raise TrainingDiverged(divergence.diverged_at)
         after = flow_nll(trainer.model, eval_blocks, eval_batch)
         print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
 

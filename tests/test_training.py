@@ -275,7 +275,8 @@ def wait_for(pattern: str, folder: Path, process: subprocess.Popen, timeout: flo
         time.sleep(0.05)
 
 
-def test_ctrl_c_keeps_checkpoints_where_resume_finds_them(model_dir, tmp_path):
+def stop_finetune_after_a_checkpoint(model_dir, tmp_path, signum) -> tuple[subprocess.Popen, str, list]:
+    """Run `dualflow finetune` saving every step and send it `signum` once a checkpoint is saved."""
     data = tmp_path / "corpus.txt"
     data.write_text(stdlib_text("textwrap.py", chars=6000))
     out = tmp_path / "out"
@@ -284,8 +285,13 @@ def test_ctrl_c_keeps_checkpoints_where_resume_finds_them(model_dir, tmp_path):
     command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *common, "--max-steps", 100_000]
     process = subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(".out.partial-*/checkpoint-*/trainer_state.json", tmp_path, process)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=300)
+    return process, stderr, common
+
+
+def test_ctrl_c_keeps_checkpoints_where_resume_finds_them(model_dir, tmp_path):
+    process, stderr, common = stop_finetune_after_a_checkpoint(model_dir, tmp_path, signal.SIGINT)
     assert process.returncode == 130
     kept = tmp_path / "out-checkpoints"
     last = max(kept.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
@@ -297,8 +303,22 @@ def test_ctrl_c_keeps_checkpoints_where_resume_finds_them(model_dir, tmp_path):
 
     step = int(last.name.split("-")[1])
     assert run_finetune(model_dir, *common, "--max-steps", step + 1, "--resume-from-checkpoint", last) == 0
-    state = json.loads((out / f"checkpoint-{step + 1}" / "trainer_state.json").read_text())
+    state = json.loads((tmp_path / "out" / f"checkpoint-{step + 1}" / "trainer_state.json").read_text())
     assert state["global_step"] == step + 1  # went on from the kept checkpoint, not from step 0
+
+
+def test_sigterm_keeps_checkpoints_like_ctrl_c(model_dir, tmp_path):
+    # `kill`, `timeout` and job schedulers stop a run with SIGTERM: the checkpoints must not stay in a hidden folder.
+    process, stderr, _ = stop_finetune_after_a_checkpoint(model_dir, tmp_path, signal.SIGTERM)
+    assert process.returncode == 143
+    kept = tmp_path / "out-checkpoints"
+    last = max(kept.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == (
+        f"dualflow finetune: terminated (SIGTERM); checkpoints kept in {kept}; to go on, rerun with "
+        f"--resume-from-checkpoint {last}"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "out-checkpoints", "tiny-dualflow"]
+    assert all((path / "trainer_state.json").is_file() for path in kept.iterdir())
 
 
 @pytest.mark.parametrize("where", ["sys", "file"])
@@ -364,3 +384,29 @@ def test_full_disk_at_the_final_save_is_one_line(model_dir, tmp_path):
         f"dualflow finetune: error: cannot write the output folder {tmp_path / 'disk' / 'out'}: No space left on device"
     )
     assert list(disk.iterdir()) == []
+
+
+def test_diverged_run_stops_keeps_finite_checkpoints_and_fails(model_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=6000))
+    out = tmp_path / "out"
+    argv = ["--data", data, "--output-dir", out, "--block-size", 32, "--batch-size", 4, "--lr", 1e6]
+    argv += ["--max-steps", 50, "--save-strategy", "steps", "--save-steps", 1, "--disable-tqdm", "true"]
+    assert run_finetune(model_dir, *argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    kept = tmp_path / "out-checkpoints"
+    steps = sorted(int(path.name.split("-")[1]) for path in kept.iterdir())
+    diverged_at = steps[-1] + 1  # stopped at the first non-finite loss, before checkpointing that step
+    assert diverged_at < 50 and steps == list(range(1, diverged_at))
+    assert error.startswith(
+        f"dualflow finetune: error: training diverged: the loss or its gradients were NaN or inf at step {diverged_at}; "
+        f"the model was not saved; checkpoints kept in {kept}"
+    )
+    # The weights of checkpoint N - 1 gave the loss or gradients: the advice goes on from the one before, if any.
+    assert f"(checkpoint-{diverged_at - 1} holds the weights that gave it)" in error
+    if diverged_at > 2:
+        assert error.endswith(f"--resume-from-checkpoint {kept / f'checkpoint-{diverged_at - 2}'}")
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    for step in steps:
+        model = AutoModelForCausalLM.from_pretrained(kept / f"checkpoint-{step}")
+        assert all(parameter.isfinite().all() for parameter in model.parameters())
