@@ -50,6 +50,7 @@ def test_compare_report_schema_and_table():
     tokens = torch.randint(0, model.config.vocab_size, (400,))
     report = json.loads(json.dumps(compare_report(model, "tiny", ["random"], tokens, SETTINGS, show_progress=False)))
     assert report["schema"] == SCHEMA
+    assert (report["model"], report["device"], report["dtype"]) == ("tiny", "cpu", "float32")  # the plot's title
     assert report["variants"] == [BASELINE, "dual-flow", "two-pass", "single top-k=3"]
     assert report["settings"]["eval_tokens"] == 48 and report["settings"]["prompt_lengths"] == [8, 16]
     base = report["metrics"][BASELINE]
