@@ -3,6 +3,8 @@
 from transformers import PreTrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from .vllm_internals import check_vllm_version
+
 
 def checkpoint_field(vllm_config, name: str, default):
     """A field of the checkpoint's own config.json, before `hf_overrides`."""
@@ -27,8 +29,23 @@ def check_attention_head_size(head_dim: int) -> None:
         )
 
 
+# vLLM's expert-parallel all-to-all backends whose per-rank buffers hold at most the scheduler's token budget
+# (max_num_batched_tokens). With the aux flow an MoE call carries the step's tokens plus ceil(k_a / k_p) rows per
+# sampled row, up to (1 + ceil(k_a / k_p)) times the budget at decode. The other backends size their buffers per call.
+FIXED_SIZE_ALL2ALL = (
+    "pplx",
+    "deepep_low_latency",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "moonep",
+    "nixl_ep",
+    "flashinfer_nvlink_one_sided",
+)
+
+
 def check_supported(config, vllm_config) -> None:
     """One-line errors for checkpoints and engine settings this model class does not serve."""
+    check_vllm_version()
     if config.hidden_act != "silu":
         raise ValueError(f"Dual-Flow in vLLM supports hidden_act='silu' only, got {config.hidden_act!r}")
     if config.qk_norm == "full" and vllm_config.parallel_config.tensor_parallel_size > 1:
@@ -36,8 +53,28 @@ def check_supported(config, vllm_config) -> None:
             "Dual-Flow in vLLM: qk_norm='full' (OLMoE) needs the whole projection, use tensor_parallel_size=1"
         )
     check_attention_head_size(config.head_dim)
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+    parallel = vllm_config.parallel_config
+    # Modes the model does not implement: refused here, in one line, rather than failing inside an engine process.
+    if parallel.pipeline_parallel_size > 1:
         raise ValueError("Dual-Flow in vLLM does not support pipeline parallelism")
+    if parallel.enable_dbo or parallel.ubatch_size > 1:
+        raise ValueError("Dual-Flow in vLLM does not run dual-batch overlap (micro-batches): start without enable_dbo")
+    if parallel.enable_eplb:
+        raise ValueError(
+            "Dual-Flow in vLLM does not support the expert-parallel load balancer: start without enable_eplb"
+        )
+    if config.use_aux_flow and parallel.enable_expert_parallel and parallel.all2all_backend in FIXED_SIZE_ALL2ALL:
+        raise ValueError(
+            f"Dual-Flow in vLLM: the aux rows make an MoE call longer than the token budget that all2all_backend="
+            f"{parallel.all2all_backend!r} sizes its buffers by; use all2all_backend='allgather_reducescatter'"
+        )
+    if vllm_config.lora_config is not None:
+        raise ValueError("Dual-Flow in vLLM does not serve LoRA adapters: start without enable_lora")
+    if config.use_aux_flow and vllm_config.model_config.enable_prompt_embeds:
+        raise ValueError(
+            "Dual-Flow in vLLM: the aux flow embeds token ids with its own table, so prompt embeddings "
+            "(enable_prompt_embeds) need use_aux_flow=False"
+        )
     # A round count above the checkpoint's (hf_overrides) would run gates the checkpoint does not have.
     if config.aux_num_rounds > 1 and checkpoint_field(vllm_config, "aux_num_rounds", 1) == 1:
         raise ValueError(

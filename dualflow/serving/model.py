@@ -43,13 +43,22 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 from vllm.sequence import IntermediateTensors
-from vllm.utils.torch_utils import _encode_layer_name  # the form vLLM's attention ops take a layer's name in
+
+from . import vllm_internals
 
 
 class DualFlowMLP(nn.Module):
-    """Dense SwiGLU MLP (dense layers and the Qwen2-MoE shared expert)."""
+    """Dense SwiGLU MLP (dense layers and the Qwen2-MoE shared expert, scaled by sigmoid(expert_gate(x)))."""
 
-    def __init__(self, config, intermediate_size: int, quant_config, reduce_results: bool = True, prefix: str = ""):
+    def __init__(
+        self,
+        config,
+        intermediate_size: int,
+        quant_config,
+        reduce_results: bool = True,
+        expert_gate: nn.Module | None = None,
+        prefix: str = "",
+    ):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size,
@@ -67,10 +76,13 @@ class DualFlowMLP(nn.Module):
             prefix=f"{prefix}.down_proj",
         )
         self.act_fn = SiluAndMul()
+        self.expert_gate = expert_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, _ = self.gate_up_proj(x)
         out, _ = self.down_proj(self.act_fn(gate_up))
+        if self.expert_gate is not None:
+            out = torch.sigmoid(self.expert_gate(x)[0]) * out
         return out
 
 
@@ -120,6 +132,11 @@ class DualFlowSparseMoeBlock(nn.Module):
     FusedMoE takes one top-k, so it is built with k_p: primary rows route as in the base model; with k_a != k_p each
     aux row enters as ceil(k_a / k_p) chunk rows whose router logits select its experts (`aux_chunk_logits`), and the
     chunks' outputs are summed back. The layout is a function of the call's inputs: no state between calls.
+
+    A shared expert (Qwen2-MoE) goes into FusedMoE (`shared_experts=`, one all-reduce for both under tensor
+    parallelism, as vLLM's Qwen2-MoE) wherever every row enters once. With chunk rows FusedMoE would add the shared
+    expert to every chunk row, which the weighted sum of chunks cannot take out when the aux weights do not sum to 1,
+    so there it runs beside FusedMoE, reduced on its own.
     """
 
     def __init__(self, config, quant_config, prefix: str = ""):
@@ -129,14 +146,21 @@ class DualFlowSparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, prefix=f"{prefix}.gate")
         self.shared_expert = None
+        self.shared_expert_in_experts = not config.use_aux_flow or self.aux_top_k == self.top_k  # no chunk rows
         if config.shared_expert_intermediate_size > 0:
-            self.shared_expert = DualFlowMLP(
-                config, config.shared_expert_intermediate_size, quant_config, prefix=f"{prefix}.shared_expert"
-            )
             self.shared_expert_gate = ReplicatedLinear(
                 config.hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate"
             )
+            self.shared_expert = DualFlowMLP(
+                config,
+                config.shared_expert_intermediate_size,
+                quant_config,
+                reduce_results=not self.shared_expert_in_experts,
+                expert_gate=self.shared_expert_gate,
+                prefix=f"{prefix}.shared_expert",
+            )
         self.experts = FusedMoEFactory(
+            shared_experts=self.shared_expert if self.shared_expert_in_experts else None,
             num_experts=config.num_experts,
             top_k=self.top_k,
             hidden_size=config.hidden_size,
@@ -166,9 +190,8 @@ class DualFlowSparseMoeBlock(nn.Module):
             out = self.experts(hidden_states=rows, router_logits=logits)
             aux_out = (out[num_primary:] * chunk_sums.to(out.dtype)).view(chunks, num_aux, -1).sum(dim=0)
             out = torch.cat([out[:num_primary], aux_out])
-        if self.shared_expert is not None:
-            gate, _ = self.shared_expert_gate(hidden_states)
-            out = out + torch.sigmoid(gate) * self.shared_expert(hidden_states)
+        if self.shared_expert is not None and not self.shared_expert_in_experts:
+            out = out + self.shared_expert(hidden_states)
         return out
 
 
@@ -280,7 +303,10 @@ class DualFlowAttention(nn.Module):
     def can_attend_both_flows_at_once(self) -> bool:
         """Whether `_attend_both_flows` can run here: the backend writes the cache in its own op, and queries are not
         quantised inside the attention layer (fp8 KV cache); otherwise every step takes the two-call path."""
-        return not self.attn.attn_backend.forward_includes_kv_cache_update and self.attn.query_quant is None
+        return not (
+            vllm_internals.attention_backend_writes_cache_in_its_call(self.attn)
+            or vllm_internals.attention_quantises_queries(self.attn)
+        )
 
     def _norm_per_head(self, states: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         by_head = states.view(*states.shape[:-1], -1, self.head_dim)
@@ -292,13 +318,8 @@ class DualFlowAttention(nn.Module):
         rows, head_dim = num_primary, self.head_dim
         key = k[:rows].view(rows, self.num_kv_heads, head_dim)
         value = v[:rows].view(rows, self.num_kv_heads, head_dim)
-        written = torch.ops.vllm.unified_kv_cache_update(key, value, _encode_layer_name(self.attn.layer_name))
         query = stack_heads(q[:rows], q[rows:], self.num_kv_heads).view(rows, -1, head_dim)
-        output = torch.empty_like(query)
-        # The dependency on `written` keeps the compiled graph from reading the pages before this step's K/V is in.
-        torch.ops.vllm.unified_attention_with_output(
-            query, key, value, output, _encode_layer_name(aux_attn.layer_name), kv_cache_dummy_dep=written
-        )
+        output = vllm_internals.write_cache_then_attend(self.attn, aux_attn, query, key, value)
         return split_heads(output.view(rows, -1), self.num_kv_heads).flatten(0, 1)  # [primary rows; aux rows]
 
     def forward(
@@ -355,9 +376,10 @@ class DualFlowDecoderLayer(nn.Module):
             self.mlp = DualFlowMLP(config, config.intermediate_size, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.aux_coupling = DualFlowGain(config.hidden_size)
-        if config.aux_num_rounds > 1:
-            self.aux_round_gate = DualFlowGain(config.hidden_size)
+        if config.use_aux_flow:  # a primary-only engine builds and loads none of the aux flow's weights
+            self.aux_coupling = DualFlowGain(config.hidden_size)
+            if config.aux_num_rounds > 1:
+                self.aux_round_gate = DualFlowGain(config.hidden_size)
         self.aux_mlp_adapter = aux_adapter(
             config, config.hidden_size, config.hidden_size, prefix=f"{prefix}.aux_mlp_adapter"
         )
@@ -428,27 +450,28 @@ class DualFlowModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def sampled_rows(self, num_tokens: int) -> torch.Tensor | None:
+    def sampled_rows(self, num_tokens: int) -> tuple[torch.Tensor, int] | None:
         """
-        Rows of this step's tokens whose logits vLLM samples from, as the aux attention metadata sees them; None when
-        it samples every row (pure decode, speculative verification, `aux_at_every_prompt_position`) or the step is a
-        dummy run without metadata. Read outside the compiled pieces: it depends on the step's metadata, not on
-        tensors.
+        Rows of this step's tokens whose logits vLLM samples from, as the aux attention metadata sees them: the
+        indices as long as the aux layers' queries (padded for graphs by repeating the last one) and how many are
+        real. None when vLLM samples every row (pure decode, speculative verification, `aux_at_every_prompt_position`)
+        or the step is a dummy run without metadata. Read outside the compiled pieces: it depends on the step's
+        metadata, not on tensors.
         """
         metadata = get_forward_context().attn_metadata
-        if isinstance(metadata, list):  # speculative decoding: [0] is the target model's
-            metadata = metadata[0]
-        if not isinstance(metadata, dict):
+        if isinstance(metadata, list):  # one metadata dict per micro-batch (vLLM's dual-batch overlap)
+            raise ValueError(
+                "Dual-Flow in vLLM does not run dual-batch overlap micro-batches: start the engine without enable_dbo"
+            )
+        if metadata is None:
             return None
-        aux_metadata = metadata.get(self.aux_attn[0].layer_name)
-        indices = getattr(aux_metadata, "logits_indices_padded", None)
-        # Fast prefill off, or a step whose every scheduled token is sampled (padding for graphs aside).
+        sampled = vllm_internals.sampled_rows_metadata(metadata.get(self.aux_attn[0].layer_name))
         primary_metadata = metadata.get(self.layers[0].self_attn.attn.layer_name)
-        if indices is None or aux_metadata.num_actual_tokens == getattr(
-            primary_metadata, "num_actual_tokens", num_tokens
-        ):
+        # Fast prefill off, or a step whose every scheduled token is sampled.
+        if sampled is None or sampled[1] == getattr(primary_metadata, "num_actual_tokens", num_tokens):
             return None
-        return indices.long()
+        rows, num_sampled = sampled
+        return rows.long(), num_sampled
 
     def forward(
         self,
@@ -458,7 +481,8 @@ class DualFlowModel(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         aux_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # aux_rows: (P,) rows whose next token is sampled (`sampled_rows`); None runs the primary flow alone
+        # aux_rows: (P,) rows whose next token is sampled (`sampled_rows`); None runs the primary flow alone. Returns
+        # the T primary rows' final states, then (with aux_rows) the P aux rows'.
         return self.run_layers(input_ids, positions, inputs_embeds, aux_rows, every_row_sampled=False)
 
     def run_layers(
@@ -472,16 +496,13 @@ class DualFlowModel(nn.Module):
         """
         Both flows through every layer. The aux flow runs at the primary rows `aux_rows`, or at every row when
         every_row_sampled (then aux_rows is None and attention reads the pages once for both flows); with neither,
-        the primary flow runs alone. Returns the final states, the aux flow's where it ran.
+        the primary flow runs alone. Returns the final states: the primary rows', then the aux rows' (with aux_rows),
+        or only the aux rows' (every_row_sampled).
         """
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         num_primary = hidden_states.shape[0]
         with_aux = every_row_sampled or aux_rows is not None
-        if with_aux:
-            if input_ids is None:
-                raise ValueError(
-                    "The Dual-Flow aux flow embeds token ids with its own table: inputs_embeds need use_aux_flow=False"
-                )
+        if with_aux:  # token ids only: engines with prompt embeddings are refused at startup (engine_config.py)
             aux_ids, aux_positions = (
                 (input_ids, positions) if aux_rows is None else (input_ids[aux_rows], positions[aux_rows])
             )
@@ -510,9 +531,7 @@ class DualFlowModel(nn.Module):
                     )
         if aux_rows is None:  # every row predicts with the aux flow
             return self.norm(aux_states)
-        # The sampled rows predict with the aux flow; every other row keeps the primary prediction.
-        hidden_states = self.norm(torch.cat([hidden_states[:num_primary], aux_states]))
-        return hidden_states[:num_primary].index_copy(0, aux_rows, hidden_states[num_primary:])
+        return self.norm(torch.cat([hidden_states[:num_primary], aux_states]))
 
 
 @support_torch_compile(
@@ -562,10 +581,8 @@ class DualFlowForCausalLM(nn.Module):
         self.model = DualFlowModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.every_row_model = None
         if config.use_aux_flow and self.model.layers[0].self_attn.can_attend_both_flows_at_once():
-            # Imported where it is used, as vLLM's Gemma3n does (its note: a module-level import broke vLLM's tests).
-            from vllm.compilation.backends import set_model_tag
-
-            with set_model_tag("dualflow_every_row_sampled"):  # its own compiled graph and cache entry
+            # its own compiled graph and cache entry
+            with vllm_internals.compiled_model_tag("dualflow_every_row_sampled"):
                 self.every_row_model = DualFlowEveryRowModel(
                     vllm_config=vllm_config, prefix=maybe_prefix(prefix, "every_row_model"), model=self.model
                 )
@@ -586,29 +603,36 @@ class DualFlowForCausalLM(nn.Module):
     ) -> torch.Tensor:
         if not self.config.use_aux_flow:
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-        num_tokens = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
-        aux_rows = self.model.sampled_rows(num_tokens)
-        if aux_rows is not None:
-            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, aux_rows)
-        every_row = torch.arange(num_tokens, device=positions.device)
-        if self.every_row_model is None:
-            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, every_row)
-        if get_forward_context().attn_metadata is None:
-            # A dummy run (warm-up, profiling, graph capture): compile and warm the other piece as well.
-            self.model(input_ids, positions, intermediate_tensors, inputs_embeds, every_row)
-        return self.every_row_model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        num_tokens = input_ids.shape[0]
+        sampled = self.model.sampled_rows(num_tokens)
+        if sampled is None and self.every_row_model is not None:
+            if get_forward_context().attn_metadata is None:
+                # A dummy run (warm-up, profiling, graph capture): compile and warm the other piece as well.
+                every_row = torch.arange(num_tokens, device=positions.device)
+                self.model(input_ids, positions, intermediate_tensors, inputs_embeds, every_row)
+            return self.every_row_model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if sampled is None:
+            sampled = torch.arange(num_tokens, device=positions.device), num_tokens
+        rows, num_sampled = sampled
+        states = self.model(input_ids, positions, intermediate_tensors, inputs_embeds, rows)
+        # The sampled rows predict with the aux flow, every other row keeps the primary flow's prediction. Rows past
+        # num_sampled pad the step for graphs (the last row repeated, its attention output never written): they are
+        # dropped, so each row is written once, by its real aux state (as vLLM's Gemma3n cuts its padded rows).
+        aux_states = states[num_tokens : num_tokens + num_sampled]
+        return states[:num_tokens].index_copy(0, rows[:num_sampled], aux_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # A primary-only engine builds neither the aux embedding nor the aux adapters, a one-round engine no round gates.
+        # A primary-only engine builds no aux weights (embedding, couplings, round gates, adapters), a one-round engine
+        # no round gates.
         # The loader tests a missing module's name followed by "." against these.
         unused_prefixes, unused_suffixes = [], []
         if not self.config.use_aux_flow:
             unused_prefixes.append("model.aux_embed_tokens.")
-            unused_suffixes.append("_adapter.")
-        if self.config.aux_num_rounds == 1:
+            unused_suffixes.extend(["_adapter.", ".aux_coupling.", ".aux_round_gate."])
+        elif self.config.aux_num_rounds == 1:
             unused_suffixes.append(".aux_round_gate.")
         loader = AutoWeightsLoader(
             self, ignore_unexpected_prefixes=unused_prefixes, ignore_unexpected_suffixes=unused_suffixes

@@ -6,6 +6,7 @@ import torch
 from vllm_reference import (
     AUX_ADAPTERS,
     assert_matches_transformers,
+    aux_parameter_names,
     build_checkpoint,
     load_reference,
     random_prompts,
@@ -44,9 +45,11 @@ def test_aux_adapters_match_transformers(adapter_checkpoint, reference):
             assert_matches_transformers(outputs, PROMPTS, ablated, MAX_NEW)
 
 
-def test_primary_only_one_round_engine_skips_the_aux_weights(adapter_checkpoint, reference):
-    # Neither adapters nor round gates are built: their weights in the checkpoint must not stop the engine loading.
-    with running_engine(adapter_checkpoint, hf_overrides={"use_aux_flow": False, "aux_num_rounds": 1}) as engine:
+def test_primary_only_engine_skips_the_aux_weights(adapter_checkpoint, reference):
+    # Neither adapters, couplings nor round gates (of this two-round checkpoint) are built: their weights in the
+    # checkpoint must not stop the engine loading.
+    with running_engine(adapter_checkpoint, hf_overrides={"use_aux_flow": False}) as engine:
+        assert engine.apply_model(aux_parameter_names) == [[]]
         outputs = served_greedy(engine, PROMPTS, MAX_NEW)
     assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW, use_aux_flow=False)
 

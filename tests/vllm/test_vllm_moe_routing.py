@@ -1,6 +1,6 @@
 """The serving MoE block's aux layout: chunk rows whose router logits make FusedMoE's own top-k_p routing (vLLM's CPU
-router, run for real) give each aux row exactly its top-k_a experts and weights, with padding slots that weigh 0 and
-stream no expert the same token does not already use."""
+router, run for real) give each aux row exactly the experts and weights of the model file's rule (`route_two_top_k`,
+which transformers runs), with padding slots that weigh 0 and stream no expert the same token does not already use."""
 
 import pytest
 import torch
@@ -8,15 +8,16 @@ import torch.nn.functional as F
 from vllm.model_executor.layers.fused_moe.router.cpu_router import _softmax_topk
 
 from dualflow.serving.model import aux_chunk_logits
+from modeling_dualflow.modeling_dualflow import route_two_top_k
 
 
 NUM_EXPERTS, NUM_AUX = 8, 5
 
 
-def reference_routing(logits, k, norm_topk_prob):
-    """transformers' rule: softmax in fp32, top-k, renormalised when the config says so."""
-    weights, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
-    return (weights / weights.sum(dim=-1, keepdim=True) if norm_topk_prob else weights), ids
+def model_file_routing(logits, is_aux_row: bool, k_p, k_a, norm_topk_prob):
+    """The model file's two-top-k rule for rows of one flow: (weights, experts) in max(k_p, k_a) slots."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    return route_two_top_k(probs, torch.full((logits.shape[0],), is_aux_row), k_p, k_a, norm_topk_prob)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -33,13 +34,15 @@ def test_chunk_rows_route_like_top_k_a(k_p, k_a, norm_topk_prob):
     ids = ids.long().view(chunks, NUM_AUX, k_p).transpose(0, 1).reshape(NUM_AUX, -1)
     # per aux row: the expert mixture of its chunks = top-k_a of the aux router, the rest weighing 0
     served = torch.zeros(NUM_AUX, NUM_EXPERTS).scatter_add(1, ids, weights)
-    expected_weights, expected_ids = reference_routing(aux_logits, k_a, norm_topk_prob)
+    expected_weights, expected_ids = model_file_routing(aux_logits, True, k_p, k_a, norm_topk_prob)
     expected = torch.zeros(NUM_AUX, NUM_EXPERTS).scatter_add(1, expected_ids, expected_weights)
     torch.testing.assert_close(served, expected, rtol=1e-6, atol=1e-7)
     # padding slots point at an expert the token streams anyway: its own k_a experts, or its primary row's k_p
-    _, primary_ids = reference_routing(primary_logits, k_p, norm_topk_prob)
+    _, primary_ids = model_file_routing(primary_logits, False, k_p, k_a, norm_topk_prob)
     for row in range(NUM_AUX):
-        streamed = set(expected_ids[row].tolist()) | (set(primary_ids[row].tolist()) if k_a < k_p else set())
+        streamed = set(expected_ids[row, :k_a].tolist()) | (
+            set(primary_ids[row, :k_p].tolist()) if k_a < k_p else set()
+        )
         assert set(ids[row].tolist()) <= streamed
         assert len(ids[row]) == chunks * k_p  # k_p slots per chunk row, distinct within each chunk row
         for chunk in ids[row].view(chunks, k_p):

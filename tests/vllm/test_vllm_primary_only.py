@@ -8,6 +8,7 @@ from vllm import SamplingParams
 from vllm_reference import (
     LOGPROB_TOLERANCE,
     assert_matches_transformers,
+    aux_parameter_names,
     hf_greedy,
     load_reference,
     random_prompts,
@@ -33,6 +34,11 @@ def test_primary_engine_is_the_base_model(engine, checkpoint):
     outputs = served_greedy(engine, PROMPTS, MAX_NEW)
     assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW, use_aux_flow=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(source, p, MAX_NEW)[0] for p in PROMPTS]
+
+
+def test_primary_engine_builds_no_aux_weights(engine):
+    # neither the aux embedding nor the couplings: the checkpoint's aux weights are skipped, not loaded
+    assert engine.apply_model(aux_parameter_names) == [[]]
 
 
 @torch.no_grad()

@@ -5,7 +5,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import OlmoeConfig, OlmoeForCausalLM, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from dualflow.convert import convert_checkpoint
 from modeling_dualflow import DualFlowForCausalLM
@@ -38,8 +46,12 @@ SOURCE = dict(
 CLIP_QKV = 0.5
 OLMOE_SOURCE = {key: value for key, value in SOURCE.items() if key not in ("head_dim", "moe_intermediate_size")}
 OLMOE_SOURCE.update(intermediate_size=64, clip_qkv=CLIP_QKV)
+# Qwen2-MoE source of the same size: a gated shared expert beside the routed ones, top-k weights not renormalised.
+QWEN2_MOE_SOURCE = {key: value for key, value in SOURCE.items() if key != "head_dim"}
+QWEN2_MOE_SOURCE.update(shared_expert_intermediate_size=96, norm_topk_prob=False)
 SOURCES = {
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, SOURCE),
+    "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig, QWEN2_MOE_SOURCE),
     "olmoe": (OlmoeForCausalLM, OlmoeConfig, OLMOE_SOURCE),
 }
 AUX_TOP_K = 4
@@ -143,6 +155,11 @@ def assert_matches_transformers(outputs, prompts, reference, max_new_tokens: int
         assert list(completion.token_ids) == tokens, f"prompt of length {len(prompt)}"
         served = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
         assert max(abs(a - b) for a, b in zip(served, logprobs)) <= LOGPROB_TOLERANCE
+
+
+def aux_parameter_names(model):
+    """In the engine process: the served model's parameters that belong to the aux flow."""
+    return [name for name, _ in model.named_parameters() if "aux" in name]
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

@@ -1,0 +1,134 @@
+"""What vLLM's GPU runner does that its CPU runner does not, simulated in a CPU engine: with CUDA graphs the rows vLLM
+samples from are padded to a graph size by repeating the last index, and the attention output of the padded rows is
+never written (`torch.empty`). The served logits must be the unpadded run's exactly. Modes the model does not run are
+refused in one line before any engine process starts."""
+
+import math
+
+import pytest
+import vllm
+from vllm_reference import random_prompts, running_engine, served_greedy
+
+from dualflow.serving import vllm_internals
+from dualflow.serving.engine_config import check_supported
+
+
+MAX_NEW = 6
+PROMPTS = random_prompts([3, 17, 40, 29], seed=5)  # 89 tokens over a 48-token budget: prefill, mixed and decode steps
+GRAPH_PADDING = 5  # padded rows per step, more than the batch's requests: duplicates of the last sampled row
+
+
+def pad_sampled_rows_like_cuda_graphs(worker):
+    """In the engine process: from now on, pad each step's sampled-row indices as the GPU runner does for a CUDA graph
+    (`_prepare_kv_sharing_fast_prefill`: the last index repeated up to the padded size), and fill every attention
+    output row that the kernel does not write (rows past the metadata's real token count) with NaN, as uninitialised
+    GPU memory may hold. Counts the aux attention calls that saw padded rows in `runner.padded_attention_calls`."""
+    from vllm.model_executor.layers.attention import Attention
+
+    runner = worker.model_runner
+    prepare = runner._prepare_kv_sharing_fast_prefill
+
+    def padded(logits_indices):
+        prepare(logits_indices)
+        num_real = logits_indices.shape[0]
+        indices = runner.kv_sharing_fast_prefill_logits_indices
+        indices[num_real : num_real + GRAPH_PADDING] = logits_indices[-1]
+        return indices[: num_real + GRAPH_PADDING]
+
+    runner._prepare_kv_sharing_fast_prefill = padded
+    runner.padded_attention_calls = 0
+    for module in runner.model.modules():
+        if isinstance(module, Attention):
+
+            def unwritten_rows_nan(
+                layer, query, key, value, kv_cache, metadata, *args, _kernel=module.impl.forward, **kw
+            ):
+                result = _kernel(layer, query, key, value, kv_cache, metadata, *args, **kw)
+                if metadata is not None and query.shape[0] > metadata.num_actual_tokens:
+                    kw["output"][metadata.num_actual_tokens :] = math.nan
+                    runner.padded_attention_calls += 1
+                return result
+
+            module.impl.forward = unwritten_rows_nan
+
+
+def padded_attention_calls(worker):
+    return worker.model_runner.padded_attention_calls
+
+
+def sampled_rows_of_micro_batches(worker):
+    """In the engine process: the model's reading of a forward context holding two micro-batches' metadata (vLLM's
+    dual-batch overlap), or the error it raises."""
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context([{}, {}], worker.vllm_config):
+        try:
+            return worker.model_runner.model.model.sampled_rows(4)
+        except ValueError as error:
+            return str(error)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    """The same prompts served twice by one engine (aux flow on, chunked prefill), before and after the padding."""
+    with running_engine(checkpoint, enable_chunked_prefill=True, enable_prefix_caching=False) as llm:
+        unpadded = served_greedy(llm, PROMPTS, MAX_NEW)
+        llm.collective_rpc(pad_sampled_rows_like_cuda_graphs)
+        padded = served_greedy(llm, PROMPTS, MAX_NEW)
+        calls = llm.collective_rpc(padded_attention_calls)[0]
+        micro_batches = llm.collective_rpc(sampled_rows_of_micro_batches)[0]
+        vllm_config = llm.llm_engine.vllm_config
+    return unpadded, padded, calls, micro_batches, vllm_config
+
+
+def test_padded_sampled_rows_give_the_unpadded_logits_exactly(served):
+    unpadded, padded, calls = served[:3]
+    assert calls > 0  # the padding reached the aux attention layers, with NaN in the rows it does not write
+    assert [chosen_logprobs(output) for output in padded] == [chosen_logprobs(output) for output in unpadded]
+
+
+def chosen_logprobs(output) -> list[tuple[int, float]]:
+    completion = output.outputs[0]
+    return [(token, step[token].logprob) for step, token in zip(completion.logprobs, completion.token_ids)]
+
+
+def test_micro_batches_are_refused_in_one_line(served):
+    assert served[3] == (
+        "Dual-Flow in vLLM does not run dual-batch overlap micro-batches: start the engine without enable_dbo"
+    )
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "message"),
+    [
+        ({"enable_dbo": True}, "does not run dual-batch overlap"),
+        ({"enable_lora": True}, "does not serve LoRA adapters"),
+        ({"enable_prompt_embeds": True}, r"prompt embeddings \(enable_prompt_embeds\) need use_aux_flow=False"),
+        (
+            {"enable_expert_parallel": True, "all2all_backend": "deepep_low_latency"},
+            "the aux rows make an MoE call longer than the token budget that all2all_backend='deepep_low_latency'",
+        ),
+    ],
+)
+def test_unsupported_modes_are_refused_before_the_engine_starts(checkpoint, engine_args, message):
+    with pytest.raises(ValueError, match=message), running_engine(checkpoint, **engine_args):
+        pass
+
+
+def test_the_expert_parallel_load_balancer_is_refused(served, monkeypatch):
+    # vLLM's CPU build refuses EPLB itself before the model's check runs: the check on an engine configuration with it
+    vllm_config = served[4]
+    check_supported(vllm_config.model_config.hf_config, vllm_config)
+    monkeypatch.setattr(vllm_config.parallel_config, "enable_eplb", True)
+    with pytest.raises(
+        ValueError, match="does not support the expert-parallel load balancer: start without enable_eplb"
+    ):
+        check_supported(vllm_config.model_config.hf_config, vllm_config)
+
+
+def test_an_untested_vllm_release_is_refused_before_the_engine_starts(checkpoint, monkeypatch):
+    vllm_internals.check_vllm_version()  # the installed release is one of the tested ones
+    monkeypatch.setattr(vllm, "__version__", "0.31.2+cpu")
+    message = r"Dual-Flow's vLLM model is built for vLLM 0\.32\.0 or 0\.33\.0, not 0\.31\.2\+cpu: install one of"
+    with pytest.raises(ValueError, match=message), running_engine(checkpoint):
+        pass
