@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dualflow.instruments.probes import peak_memory_bytes
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
-from modeling_dualflow.modeling_dualflow import AuxQueryHeads
+from modeling_dualflow.modeling_dualflow import DualFlowQueryHeadGroups
 
 
 def stacked_mask_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -28,10 +28,10 @@ def stacked_mask_sdpa(module, query, key, value, attention_mask, scaling=None, *
     The former path for the aux rows at every position: (batch, 2 * heads, T, d) query heads back to (batch, heads,
     2T, d) stacked rows, each aux row given its position's causal mask row in a (2T) x T mask.
     """
-    if not isinstance(module, AuxQueryHeads):
+    if not isinstance(module, DualFlowQueryHeadGroups):
         raise ValueError("stacked_mask_sdpa rebuilds the calls with the aux rows as query heads only")
     batch, heads2, length, dim = query.shape
-    group, kv_heads = module.attention.num_key_value_groups, key.shape[1]
+    group, kv_heads = module.num_key_value_groups // 2, key.shape[1]
     stacked = query.reshape(batch, kv_heads, 2, group, length, dim).transpose(2, 3).reshape(batch, -1, 2 * length, dim)
     positions = torch.arange(length, device=query.device)
     mask = positions[None, :] <= torch.cat([positions, positions])[:, None]  # (2T, T)

@@ -103,6 +103,23 @@ def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlo
     return torch.cat([output[:, :num_primary], aux_output], dim=1) if num_primary else aux_output
 
 
+class DualFlowQueryHeadGroups(nn.Module):
+    """
+    The module the attention functions get for a call whose query heads are grouped `num_key_value_groups` to a
+    key/value head. The layer's attention attends for both flows in one call by giving each key/value head its primary
+    query heads, then as many aux heads: twice its own group. Eager, sdpa and flex get this module for that call (eager
+    and sdpa read the group from it for repeat_kv); flash, which takes the group from the shapes and its dtype from the
+    layer's weights, gets the layer's attention. It holds no weights.
+    """
+
+    def __init__(self, config: DualFlowConfig, layer_idx: int, num_key_value_groups: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_key_value_groups = num_key_value_groups
+        self.is_causal = True
+
+
 class DualFlowAttention(nn.Module):
     """Self-attention whose queries are [primary rows; aux rows] and whose keys/values come from primary rows only."""
 
@@ -116,6 +133,8 @@ class DualFlowAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
         self.sliding_window = config.sliding_window
+        # both flows in one call: per key/value head its primary query heads, then as many aux heads
+        self.both_flows_heads = DualFlowQueryHeadGroups(config, layer_idx, 2 * self.num_key_value_groups)
         q_dim = config.num_attention_heads * self.head_dim
         kv_dim = config.num_key_value_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
@@ -217,9 +236,9 @@ class DualFlowAttention(nn.Module):
             num_kv_heads, group = num_heads // self.num_key_value_groups, self.num_key_value_groups
             query_states = query_states.reshape(batch, num_kv_heads, group, 2, num_primary, head_dim)
             query_states = query_states.transpose(2, 3).reshape(batch, 2 * num_heads, num_primary, head_dim)
-            attn_output, attn_weights = attend(
-                AuxQueryHeads(self), query_states, attention_mask, is_causal, position_ids
-            )
+            # flash kernels group heads by the shapes, and flash reads its dtype from this layer's weights
+            heads = self if is_flash_attention_requested(self.config) else self.both_flows_heads
+            attn_output, attn_weights = attend(heads, query_states, attention_mask, is_causal, position_ids)
             # (batch, T, 2 * heads, d) -> (batch, 2T, heads * d): back to [primary rows; aux rows]
             attn_output = attn_output.reshape(batch, num_primary, num_kv_heads, 2, group, head_dim)
             attn_output = attn_output.permute(0, 3, 1, 2, 4, 5)
@@ -243,21 +262,6 @@ class DualFlowAttention(nn.Module):
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
         attn_output = add_to_aux_rows(self.o_proj(attn_output), attn_output, self.aux_o_adapter, num_primary)
         return attn_output, attn_weights, (key_states, value_states)
-
-
-class AuxQueryHeads:
-    """
-    The attention module as the attention functions see it when the aux rows ride as extra query heads: twice the
-    query heads per key/value head (eager and sdpa read `num_key_value_groups` for `repeat_kv`; flash and flex take it
-    from the shapes). Every other attribute is the module's own.
-    """
-
-    def __init__(self, attention: DualFlowAttention):
-        self.attention = attention
-        self.num_key_value_groups = 2 * attention.num_key_value_groups
-
-    def __getattr__(self, name):
-        return getattr(self.attention, name)
 
 
 class DualFlowMLP(Qwen2MoeMLP):

@@ -18,6 +18,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.flash_attention import flash_attention_forward
 from transformers.integrations.flex_attention import WrappedFlexAttention
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from modeling_dualflow import DualFlowForCausalLM
 
@@ -108,6 +110,27 @@ def test_capability_flags():
     assert DualFlowForCausalLM._supports_sdpa
     assert DualFlowForCausalLM._supports_flash_attn
     assert DualFlowForCausalLM._supports_flex_attn
+
+
+def test_one_call_per_layer_given_a_module_that_says_its_head_groups(backend, monkeypatch):
+    """Both flows at every position: one attention call per layer, handed a real module whose group is the call's."""
+    model = tiny_model(attn_implementation=backend)
+    calls = []
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(backend, eager_attention_forward)
+
+    def recording(module, query, key, value, *args, **kwargs):
+        calls.append((type(module).__name__, query.shape[1], key.shape[1]))
+        assert isinstance(module, torch.nn.Module) and type(module).__getattr__ is torch.nn.Module.__getattr__
+        if backend != FLASH:  # flash takes the group from the shapes (and gets the layer's attention)
+            assert module.num_key_value_groups == query.shape[1] // key.shape[1], "repeat_kv would mismatch the heads"
+        return attend(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, backend, recording)
+    input_ids, attention_mask = left_padded_batch([7, 4])
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask)
+    heads = "DualFlowAttention" if backend == FLASH else "DualFlowQueryHeadGroups"
+    assert calls == [(heads, 8, 2)] * model.config.num_hidden_layers  # 4 primary + 4 aux query heads, 2 kv heads
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
