@@ -94,7 +94,7 @@ def published_files(folder, repo_id: str, kind: str, base_model_id: str | None =
     """
     from huggingface_hub import ModelCard
 
-    from .model_card import render_model_card, retarget_card
+    from .model_card import card_name, render_model_card, retarget_card
 
     folder = Path(folder)
     card_path = folder / "README.md"
@@ -123,7 +123,8 @@ def published_files(folder, repo_id: str, kind: str, base_model_id: str | None =
     check_repo_id(base_model_id)
     adapter_config["base_model_name_or_path"] = base_model_id
     published["adapter_config.json"] = (json.dumps(adapter_config, indent=2, sort_keys=True) + "\n").encode()
-    if card is not None:
+    if card is not None:  # cards name a local base by its folder's name (older ones by its path)
+        card = card.replace(f"`{card_name(base)}`", f"`{base_model_id}`") if base else card
         card = ModelCard(card.replace(base, base_model_id) if base else card)
         card.data.base_model = base_model_id
         published["README.md"] = str(card).encode()

@@ -7,6 +7,13 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData, metadata_load
 
+from .checkpoint import is_hub_repo_id
+
+
+def card_name(name: str) -> str:
+    """How a card names a model: a Hub id as given, a local folder by its name only (cards are published)."""
+    return name if is_hub_repo_id(name) else Path(name).expanduser().resolve().name
+
 
 def render_model_card(
     config,
@@ -19,10 +26,11 @@ def render_model_card(
     tags: list[str] | None = None,
 ) -> ModelCard:
     """
-    Card for a Dual-Flow checkpoint. `parity`: dict with source_class, max_abs_diff_aux, max_abs_diff_primary,
-    greedy_identical (as `dualflow convert --verify` reports it). `extra`: markdown appended to the body. `tags`:
-    added to the card's own (dual-flow, custom_code, moe).
+    Card for a Dual-Flow checkpoint, which names `repo_id` by `card_name`. `parity`: dict with source_class,
+    max_abs_diff_aux, max_abs_diff_primary, greedy_identical (as `dualflow convert --verify` reports it). `extra`:
+    markdown appended to the body. `tags`: added to the card's own (dual-flow, custom_code, moe).
     """
+    repo_id = card_name(repo_id)
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
@@ -74,6 +82,7 @@ def write_adapter_card(out_dir, config, base_model: str, repo_id: str, extra: st
     """
     Card of a `dualflow finetune --lora` adapter folder (replacing PEFT's placeholder README.md): the base model, how
     to load and merge it, and `extra` (how it was trained). Reads r and alpha from the folder's adapter_config.json.
+    Names `base_model` and `repo_id` by `card_name`.
     """
     out_dir = Path(out_dir)
     adapter_config = json.loads((out_dir / "adapter_config.json").read_text())
@@ -82,15 +91,15 @@ def write_adapter_card(out_dir, config, base_model: str, repo_id: str, extra: st
         pipeline_tag="text-generation",
         tags=["dual-flow", "custom_code", "lora"] + (["moe"] if config.num_experts else []),
         # Hub metadata names a Hub repo; a local base folder is named in the text only.
-        base_model=base_model if not Path(base_model).is_absolute() else None,
+        base_model=base_model if is_hub_repo_id(base_model) else None,
     )
     template = resources.files("dualflow.model_cards").joinpath("dualflow_adapter.md").read_text()
     card = ModelCard.from_template(
         card_data,
         template_str=template,
-        model_name=repo_id.rstrip("/").split("/")[-1],
-        repo_id=repo_id,
-        base_model=base_model,
+        model_name=card_name(repo_id).split("/")[-1],
+        repo_id=card_name(repo_id),
+        base_model=card_name(base_model),
         lora_r=adapter_config["r"],
         lora_alpha=adapter_config["lora_alpha"],
         num_experts=config.num_experts,

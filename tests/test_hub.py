@@ -314,14 +314,17 @@ def test_push_publishes_no_local_path_and_leaves_the_folder_alone(upload_folder,
     # A card as `dualflow finetune` writes it: the usage snippets name the local output folder.
     write_model_card(folder, model.config, repo_id=str(folder))
     before = folder_bytes(folder)
+    assert str(tmp_path) not in before["README.md"].decode()  # it names the folder by its name
     command = ["push", str(folder), "someone/tiny-dualflow", "--token", "hf_test", "--revision", "v1", "--create-pr"]
     assert cli_main(command) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.strip().endswith(f"to {fake_hub.url}/someone/tiny-dualflow/discussions/1")
     assert folder_bytes(folder) == before
     paths = fake_hub.paths()
-    assert paths[0] == "/api/repos/create" and "/api/models/someone/tiny-dualflow/branch/v1" in paths
+    repo = "/api/models/someone/tiny-dualflow"
+    order = [paths.index(path) for path in ("/api/repos/create", f"{repo}/branch/v1", f"{repo}/commit/v1")]
+    assert order == sorted(order)  # the branch is created before the commit to it
     commit = next(request for request in fake_hub.requests if "/commit/" in request[0])
-    assert commit[0] == "/api/models/someone/tiny-dualflow/commit/v1" and commit[1] == {"create_pr": ["1"]}
+    assert commit[1] == {"create_pr": ["1"]}
     assert commit[2]["authorization"] == "Bearer hf_test"
     uploaded = fake_hub.committed_files()
     assert set(uploaded) == set(before)
@@ -349,6 +352,7 @@ def adapter_folder(tmp_path):
 
 def test_adapter_with_a_local_base_needs_the_base_hub_id(adapter_folder, fake_hub, tmp_path, capsys):
     before = folder_bytes(adapter_folder)
+    assert "`base`" in before["README.md"].decode() and str(tmp_path) not in before["README.md"].decode()
     assert cli_main(["push", str(adapter_folder), "someone/tiny-lora", "--token", "hf_test"]) == 2
     assert capsys.readouterr().err == (
         f"dualflow push: error: the adapter's base model is the local folder {tmp_path / 'base'}, which does not load "

@@ -223,7 +223,8 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys, monkeypatch):
     adapter = AutoPeftModelForCausalLM.from_pretrained(out)
     assert type(adapter.get_base_model()).__name__ == "DualFlowForCausalLM"
     card = (out / "README.md").read_text()
-    assert "More Information Needed" not in card and "LoRA adapter" in card and str(model_dir) in card
+    assert "More Information Needed" not in card and "LoRA adapter" in card and f"`{model_dir.name}`" in card
+    assert str(tmp_path) not in card  # the card is published: local folders by their names only
     assert "dual-flow" in yaml.safe_load(card.split("---\n")[1])["tags"]
 
 
