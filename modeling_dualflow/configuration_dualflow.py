@@ -181,6 +181,16 @@ class DualFlowConfig(PreTrainedConfig):
             )
         return config_dict, kwargs
 
+    def to_dict(self) -> dict:
+        config_dict = super().to_dict()
+        # Saved as remote code, the model file also holds the base model: let AutoModel find it next to the causal LM.
+        causal_lm = (config_dict.get("auto_map") or {}).get("AutoModelForCausalLM")
+        if causal_lm is not None:
+            config_dict["auto_map"] = {"AutoModel": causal_lm.rsplit(".", 1)[0] + ".DualFlowModel"} | config_dict[
+                "auto_map"
+            ]
+        return config_dict
+
     def _plans_for_existing_modules(self):
         """The tensor-parallel plan names only modules this config builds (experts, dense MLPs, q/k norms)."""
         plan = dict(type(self).base_model_tp_plan)

@@ -562,6 +562,16 @@ class TestInitAndResize:
         assert model.model.aux_embed_tokens.weight.shape == (120, 32) == model.model.embed_tokens.weight.shape
         torch.testing.assert_close(model.model.aux_embed_tokens.weight[:97], old_aux)
         assert model(torch.tensor([[119, 3, 100]])).logits.shape == (1, 3, 120)
+        # transformers' mean-resizing rule: added rows drawn around the old rows' mean with 1e-9 of their covariance
+        torch.testing.assert_close(
+            model.model.aux_embed_tokens.weight[97:], old_aux.mean(0).expand(23, -1), atol=1e-5, rtol=0
+        )
+        model.resize_token_embeddings(150, mean_resizing=False)  # else drawn like a new embedding
+        assert 0.01 < model.model.aux_embed_tokens.weight[120:].std() < 0.04  # initializer_range 0.02
+        old_table = model.model.aux_embed_tokens
+        model.resize_token_embeddings(90)
+        assert model.model.aux_embed_tokens is not old_table
+        assert torch.equal(model.model.aux_embed_tokens.weight, old_table.weight[:90])
 
     def test_freeze_for_aux_training(self):
         model = tiny_model()
@@ -632,6 +642,7 @@ def test_remote_code_round_trip_in_fresh_process(tmp_path):
     assert {"configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py", "config.json"} <= saved
     auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_dualflow.DualFlowForCausalLM"
+    assert auto_map["AutoModel"] == "modeling_dualflow.DualFlowModel"
     input_ids = torch.randint(0, 97, (1, 6))
     expected = model.generate(input_ids, max_new_tokens=4, do_sample=False)
     script = textwrap.dedent(
@@ -642,6 +653,9 @@ def test_remote_code_round_trip_in_fresh_process(tmp_path):
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True)
         assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        from transformers import AutoModel
+        base = AutoModel.from_pretrained({str(tmp_path / "ckpt")!r}, trust_remote_code=True)
+        assert type(base).__name__ == "DualFlowModel", type(base)
         print(model.generate(torch.tensor({input_ids.tolist()}), max_new_tokens=4, do_sample=False).tolist())
         """
     )
