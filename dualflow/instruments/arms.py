@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from modeling_dualflow import DualFlowConfig
 
 
-# The recipe of an independent prototype of the same equations, calibrated in docs/results/README.md: PyTorch's
+# The recipe of an independent prototype of the same equations, calibrated in the project's published results: PyTorch's
 # default init (transformers' N(0, 0.02) hurt the aux flow there), AdamW 2e-3, cosine to 10%, 0.01 balance.
 DEFAULT_SCALE = replace(
     TinyScale(),

@@ -1,7 +1,7 @@
 """
 Design variants of the aux flow that `dualflow experiment --arms design` trains from scratch. Each
 changes one thing of a freshly initialised model before training. They live here, not in the model files: a variant
-becomes a `DualFlowConfig` field only once it wins (docs/results/README.md says which did).
+becomes a `DualFlowConfig` field only once it wins (the project's published results say which did).
 """
 
 import copy

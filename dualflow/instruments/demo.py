@@ -1,4 +1,4 @@
-"""`dualflow demo`: the whole path on a fresh machine, no downloads (2-3 minutes on a busy 2-core CPU).
+"""`dualflow demo`: the whole path on a fresh machine, no downloads (a few minutes on a CPU).
 
 1. build a tiny Qwen3-MoE with transformers' own class (random weights, byte-level vocabulary) and save it;
 2. convert it to Dual-Flow with `convert_checkpoint` (aux top-k 4 > primary top-k 2);

@@ -19,7 +19,7 @@ def builtin_model(steps: int, show_progress: bool = True, aux_rounds: int = 1) -
     scale = TinyScale()
     train_files, _ = split_files(stdlib_source_files())
     train_tokens = read_byte_tokens(train_files, max_tokens=4_000_000)
-    # One thread: these matmuls are too small to gain from a second one, and it is several times faster on a busy CPU.
+    # One thread: these matmuls are too small to gain from a second one, and one thread a run is faster when other work shares the CPU.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

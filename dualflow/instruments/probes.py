@@ -1,6 +1,6 @@
 """
 The timer and the peak-memory probe of one call, on CPU (Linux /proc, else getrusage) or CUDA, and the order of
-interleaved repeats. Every measurement of the package and of benchmarks/ times with these.
+interleaved repeats. Every measurement of the package times with these.
 """
 
 import gc

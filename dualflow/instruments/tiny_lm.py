@@ -42,7 +42,7 @@ def torch_default_init(model: DualFlowForCausalLM) -> None:
     """
     PyTorch's layer defaults instead of the model's N(0, initializer_range): embeddings N(0, 1), linear layers and the
     router uniform(+-1/sqrt(fan_in)), experts N(0, 1/fan_in). Norms stay 1 and couplings 0. At tiny width this init
-    trains Dual-Flow better than transformers' 0.02 (docs/results/README.md). `aux_embed_init="copy"` still holds.
+    trained Dual-Flow better than transformers' 0.02 in the project's measurements. `aux_embed_init="copy"` still holds.
     """
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):

@@ -1,10 +1,9 @@
 """
 The Dual-Flow forward without grouping: the primary flow, then the aux flow as a second batched pass over the layers.
 
-This is the fair baseline for the grouped execution (docs/design.md §5): same weights, same result, every operation
+This is the fair baseline for the grouped execution (both flows' rows through each shared weight at once): same weights, same result, every operation
 batched over all aux rows (one attention call and one experts call per layer), but each weight is read twice per step,
-once per flow. `dualflow compare` and `benchmarks/bench_core.py` time it; the per-row oracle the tests trust is
-`tests/reference.py`.
+once per flow. `dualflow compare` times it beside the grouped model.
 """
 
 import torch
