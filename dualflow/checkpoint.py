@@ -58,6 +58,22 @@ def load_dualflow_config(model_path):
     return config
 
 
+def load_dualflow_model(model_path, **kwargs):
+    """
+    `AutoModelForCausalLM.from_pretrained(model_path, **kwargs)`; a DualFlowUserError when the weights do not load (a
+    truncated or damaged file, a missing one).
+    """
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    except (OSError, SafetensorError) as error:
+        raise DualFlowUserError(
+            f"the weights in {model_path} do not load: {str(error).strip().splitlines()[0]}"
+        ) from None
+
+
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 

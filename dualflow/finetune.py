@@ -3,9 +3,9 @@
 
 Three modes: full fine-tuning, `--aux-only` (only the aux flow's own parameters: embedding, couplings and, where the
 model has them, round gates and aux adapters; the primary flow stays the source model bit for bit) and `--lora` (PEFT
-adapters on the shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt file (one document)
-or a .jsonl file (one {"text": ...} document per line), tokenized with the model folder's tokenizer and packed into
-fixed-size blocks. The command line is `dualflow.finetune_cli`.
+adapters on the shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt file (one document),
+a .jsonl file (one {"text": ...} document per line) or a folder of them, tokenized with the model folder's tokenizer
+and packed into fixed-size blocks. The command line is `dualflow.finetune_cli`.
 """
 
 import json
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
 
-from .checkpoint import load_dualflow_config, load_tokenizer
+from .checkpoint import load_dualflow_config, load_dualflow_model, load_tokenizer
 from .errors import DualFlowInterrupted, DualFlowUserError
 from .lora import add_lora
 from .model_card import license_of, write_adapter_card, write_model_card
@@ -30,35 +30,72 @@ from .scoring import mean_token_nlls
 from .staging import FILE_SYSTEM_ERRNOS, staged_folder
 
 
-def read_texts(path) -> list[str]:
+DATA_SUFFIXES = (".txt", ".jsonl")
+
+
+def data_files(paths) -> list[Path]:
+    """
+    The data files `paths` name (one path or several): a .txt or .jsonl file as it is, a folder as the .txt and .jsonl
+    files in it at any depth (in path order; hidden ones left out).
+    """
+    files = []
+    for path in map(Path, [paths] if isinstance(paths, (str, os.PathLike)) else paths):
+        if path.is_dir():
+            found = sorted(
+                file
+                for file in path.rglob("*")
+                if file.suffix in DATA_SUFFIXES
+                and file.is_file()
+                and not any(part.startswith(".") for part in file.relative_to(path).parts)
+            )
+            if not found:
+                raise DualFlowUserError(f"data folder {path} holds no .txt or .jsonl file")
+            files.extend(found)
+        elif not path.exists():
+            raise DualFlowUserError(f"data file {path} does not exist")
+        elif path.suffix not in DATA_SUFFIXES:
+            raise DualFlowUserError(
+                f'data file {path} must end in .txt (plain text) or .jsonl (one {{"text": ...}} per line), '
+                "or be a folder of such files"
+            )
+        else:
+            files.append(path)
+    return files
+
+
+def _read_file(path: Path) -> list[str]:
     """Documents of a .txt file (the whole file) or a .jsonl file (the "text" field of every non-blank line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DualFlowUserError(f"data file {path} does not exist")
-    if path.suffix not in (".txt", ".jsonl"):
-        raise DualFlowUserError(
-            f'data file {path} must end in .txt (plain text) or .jsonl (one {{"text": ...}} per line)'
-        )
     try:
         content = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise DualFlowUserError(f"data file {path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise DualFlowUserError(f"cannot read data file {path}: {error.strerror}") from None
     if path.suffix == ".txt":
-        texts = [content]
-    else:
-        texts = []
-        for line_number, line in enumerate(content.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DualFlowUserError(f"{path}:{line_number} is not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DualFlowUserError(f'{path}:{line_number} has no string "text" field')
-            texts.append(record["text"])
+        return [content]
+    texts = []
+    for line_number, line in enumerate(content.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DualFlowUserError(f"{path}:{line_number} is not valid JSON ({error.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise DualFlowUserError(f'{path}:{line_number} has no string "text" field')
+        texts.append(record["text"])
+    return texts
+
+
+def read_texts(paths) -> list[str]:
+    """
+    The documents of the data `paths` name (see `data_files`): a .txt file is one document, a .jsonl file one per
+    non-blank line (its "text" field).
+    """
+    texts = [text for path in data_files(paths) for text in _read_file(path)]
     if not any(text.strip() for text in texts):
-        raise DualFlowUserError(f"data file {path} holds no text")
+        named = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+        raise DualFlowUserError(f"the data holds no text ({', '.join(map(str, named))})")
     return texts
 
 
@@ -315,6 +352,27 @@ def checkpoints_kept_on_failure(staging: Path, output_dir: Path):
         raise
 
 
+def _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments):
+    """One-line errors for numbers that torch, PEFT or Trainer would fail on with a traceback, or that train nothing."""
+    arguments = {**TRAINER_DEFAULTS, **training_arguments}
+    # `not value > 0` also refuses NaN.
+    if block_size < 2:  # a block of one token has no next token to predict: the loss would be NaN
+        raise DualFlowUserError(f"--block-size must be >= 2, got {block_size}")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if arguments.get(name, 1) < 1:
+            raise DualFlowUserError(f"--{name.replace('_', '-')} must be >= 1, got {arguments[name]}")
+    if not arguments["learning_rate"] > 0:
+        raise DualFlowUserError(f"--learning-rate must be > 0, got {arguments['learning_rate']}")
+    if arguments.get("max_steps", -1) <= 0 and not arguments["num_train_epochs"] > 0:
+        raise DualFlowUserError(
+            f"--num-train-epochs must be > 0 (or --max-steps given), got {arguments['num_train_epochs']}"
+        )
+    if lora and lora_r < 1:
+        raise DualFlowUserError(f"--lora-r must be >= 1, got {lora_r}")
+    if lora and not lora_alpha > 0:
+        raise DualFlowUserError(f"--lora-alpha must be > 0, got {lora_alpha}")
+
+
 def _check_output_dir(output_dir: Path):
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
         raise DualFlowUserError(f"output directory {output_dir} already exists and is not empty")
@@ -341,12 +399,7 @@ def finetune(
     """
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
-    if block_size < 2:  # a block of one token has no next token to predict: the loss would be NaN
-        raise DualFlowUserError(f"--block-size must be >= 2, got {block_size}")
-    if training_arguments.get("gradient_accumulation_steps", 1) < 1:
-        raise DualFlowUserError(
-            f"--gradient-accumulation-steps must be >= 1, got {training_arguments['gradient_accumulation_steps']}"
-        )
+    _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments)
     output_dir = Path(output_dir)
     _check_output_dir(output_dir)
     resume = training_arguments.pop("resume_from_checkpoint", None)
@@ -362,7 +415,7 @@ def finetune(
     with staged_folder(output_dir) as staging, checkpoints_kept_on_failure(staging, output_dir):
         # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
         source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32)
+        model = load_dualflow_model(source, config=config, dtype=torch.float32)
         if aux_only:
             model.freeze_for_aux_training()
         # The router balance loss is part of the training objective (docs/design.md §3); restored before saving.

@@ -68,7 +68,9 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
     )
     parser.add_argument("model", help="Dual-Flow model folder (or Hub id) with a tokenizer")
     parser.add_argument(
-        "--data", required=True, help='FILE.txt (one document) or FILE.jsonl (one {"text": ...} per line)'
+        "--data",
+        required=True,
+        help='FILE.txt (one document), FILE.jsonl (one {"text": ...} per line) or a folder of such files',
     )
     parser.add_argument(
         "--output-dir", "--output_dir", help="where to save the result (default: ./<model name>-finetuned or -lora)"

@@ -16,7 +16,7 @@ from helpers import byte_model, enable_activation_checkpointing, run_finetune, s
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
-from dualflow.finetune import make_trainer, split_blocks
+from dualflow.finetune import make_trainer, read_texts, split_blocks
 
 
 def sgd_update(model, blocks, output_dir, labels=None, **trainer_options) -> tuple[dict, float]:
@@ -245,6 +245,56 @@ def test_finetune_cli_bad_data_is_one_line_error(model_dir, tmp_path, capsys, na
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("dualflow finetune: error: ") and message in error
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--lr", -1), "--learning-rate must be > 0, got -1.0"),
+        (("--batch-size", 0), "--per-device-train-batch-size must be >= 1, got 0"),
+        (("--lora", "--lora-r", 0), "--lora-r must be >= 1, got 0"),
+        (("--epochs", -1), "--num-train-epochs must be > 0 (or --max-steps given), got -1.0"),  # trained nothing
+    ],
+)
+def test_finetune_cli_bad_numbers_are_one_line_errors(model_dir, tmp_path, capsys, argv, message):
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=3000))
+    out = tmp_path / "out"
+    assert run_finetune(model_dir, "--data", data, "--output-dir", out, *argv) == 2
+    assert capsys.readouterr().err == f"dualflow finetune: error: {message}\n"
+    assert not out.exists()
+
+
+def test_finetune_cli_truncated_weights_and_empty_data_folder_are_one_line_errors(model_dir, tmp_path, capsys):
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=3000))
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "out"
+    assert run_finetune(model_dir, "--data", data, "--output-dir", out, "--block-size", 32) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dualflow finetune: error: the weights in {model_dir} do not load: "
+        "Error while deserializing header: incomplete metadata, file not fully covered"
+    )
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "tiny-dualflow"]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.md").write_text("not a data file")
+    assert run_finetune(model_dir, "--data", tmp_path / "empty", "--output-dir", out) == 2
+    assert (
+        capsys.readouterr().err
+        == f"dualflow finetune: error: data folder {tmp_path / 'empty'} holds no .txt or .jsonl file\n"
+    )
+
+
+def test_read_texts_of_a_folder(tmp_path):
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.jsonl").write_text('{"text": "first"}\n\n{"text": "also first"}\n')
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "c.txt").write_text("hidden: left out")
+    (tmp_path / "notes.md").write_text("not a data file: left out")
+    assert read_texts(tmp_path) == ["first", "also first", "second"]
+    assert read_texts([tmp_path / "b.txt", tmp_path / "a"]) == ["second", "first", "also first"]
 
 
 def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, capsys):
