@@ -16,6 +16,7 @@ from helpers import tiny_model
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from modeling_dualflow import DualFlowForCausalLM
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD
 
 
 SCRIPTS = Path(__file__).parent / "distributed"
@@ -46,8 +47,9 @@ def assert_same_predictions(reference, model, input_ids, attention_mask):
         expected_run = reference.generate(input_ids, return_dict_in_generate=True, **options)
         actual_run = model.generate(input_ids, return_dict_in_generate=True, **options)
         assert torch.equal(actual_run.sequences, expected_run.sequences), use_aux_flow
-        actual_cache, expected_cache = actual_run.past_key_values, expected_run.past_key_values
-        assert type(actual_cache) is type(expected_cache)
+        actual_cache, expected_cache = getattr(actual_run, CACHE_FIELD), getattr(expected_run, CACHE_FIELD)
+        # the same class; loaded as remote code it lives in the checkpoint's module, so it is another class object
+        assert type(actual_cache).__qualname__ == type(expected_cache).__qualname__
         assert [layer.keys.shape for layer in actual_cache.layers] == [
             layer.keys.shape for layer in expected_cache.layers
         ]
