@@ -436,7 +436,10 @@ def finetune(
         trainer.train(resume_from_checkpoint=resume)
         if divergence.diverged_at is not None:
             raise TrainingDiverged(divergence.diverged_at)
-        after = flow_nll(trainer.model, eval_blocks, eval_batch)
+        # Measured as "before" was, in float32: training left `--bf16`'s autocast wrapped around the model's forward.
+        after = flow_nll(
+            trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False), eval_blocks, eval_batch
+        )
         print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
 
         model.config.output_router_logits = saved_router_setting

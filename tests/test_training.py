@@ -16,7 +16,7 @@ from helpers import byte_model, enable_activation_checkpointing, run_finetune, s
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
-from dualflow.finetune import make_trainer, read_texts, split_blocks
+from dualflow.finetune import finetune, make_trainer, read_texts, split_blocks
 
 
 def sgd_update(model, blocks, output_dir, labels=None, **trainer_options) -> tuple[dict, float]:
@@ -226,6 +226,17 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys, monkeypatch):
     assert "More Information Needed" not in card and "LoRA adapter" in card and f"`{model_dir.name}`" in card
     assert str(tmp_path) not in card  # the card is published: local folders by their names only
     assert "dual-flow" in yaml.safe_load(card.split("---\n")[1])["tags"]
+
+
+def test_aux_only_bf16_measures_before_and_after_alike(model_dir, tmp_path):
+    # --bf16 autocasts training; the primary flow's weights stay bit-identical under --aux-only, so must its NLL.
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=6000))
+    result = finetune(
+        model_dir, data, tmp_path / "out", aux_only=True, block_size=32, bf16=True, max_steps=2, disable_tqdm=True
+    )
+    assert result.eval_nll_after["primary flow"] == result.eval_nll_before["primary flow"]
+    assert result.eval_nll_after["aux flow"] != result.eval_nll_before["aux flow"]
 
 
 @pytest.mark.parametrize(
