@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
@@ -63,8 +64,8 @@ def data_files(paths) -> list[Path]:
     return files
 
 
-def _read_file(path: Path) -> list[str]:
-    """Documents of a .txt file (the whole file) or a .jsonl file (the "text" field of every non-blank line)."""
+def _read_file(path: Path, text_field: str) -> list[str]:
+    """Documents of a .txt file (the whole file) or a .jsonl file (the `text_field` of every non-blank line)."""
     try:
         content = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
@@ -81,28 +82,31 @@ def _read_file(path: Path) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise DualFlowUserError(f"{path}:{line_number} is not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DualFlowUserError(f'{path}:{line_number} has no string "text" field')
-        texts.append(record["text"])
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise DualFlowUserError(f"{path}:{line_number} has no string {json.dumps(text_field)} field")
+        texts.append(record[text_field])
     return texts
 
 
-def read_texts(paths) -> list[str]:
+def read_texts(paths, text_field: str = "text") -> list[str]:
     """
     The documents of the data `paths` name (see `data_files`): a .txt file is one document, a .jsonl file one per
-    non-blank line (its "text" field).
+    non-blank line (its `text_field`).
     """
-    texts = [text for path in data_files(paths) for text in _read_file(path)]
+    texts = [text for path in data_files(paths) for text in _read_file(path, text_field)]
     if not any(text.strip() for text in texts):
         named = [paths] if isinstance(paths, (str, os.PathLike)) else paths
         raise DualFlowUserError(f"the data holds no text ({', '.join(map(str, named))})")
     return texts
 
 
-def pack_blocks(texts: list[str], tokenizer, block_size: int) -> torch.Tensor:
-    """Tokenize, join the documents with EOS and cut into (num_blocks, block_size); the short tail is dropped."""
+def pack_blocks(texts: list[str], tokenizer, block_size: int, progress: bool = False) -> torch.Tensor:
+    """
+    Tokenize, join the documents with EOS and cut into (num_blocks, block_size); the short tail is dropped. `progress`
+    shows a progress bar.
+    """
     token_ids = []
-    for text in texts:
+    for text in tqdm(texts, desc="tokenizing", unit=" documents", disable=not progress):
         token_ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if tokenizer.eos_token_id is not None:
             token_ids.append(tokenizer.eos_token_id)
@@ -388,6 +392,9 @@ def finetune(
     eval_fraction: float = 0.1,
     lora_r: int = 16,
     lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    target_modules: list[str] | None = None,
+    text_field: str = "text",
     **training_arguments,
 ) -> FinetuneResult:
     """
@@ -400,16 +407,18 @@ def finetune(
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
     _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments)
+    if lora and not 0 <= lora_dropout < 1:
+        raise DualFlowUserError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
     output_dir = Path(output_dir)
     _check_output_dir(output_dir)
     resume = training_arguments.pop("resume_from_checkpoint", None)
     if resume is not None and not Path(resume, "trainer_state.json").is_file():
         raise DualFlowUserError(f"--resume-from-checkpoint {resume} is not a Trainer checkpoint folder")
-    texts = read_texts(data_path)
+    texts = read_texts(data_path, text_field)
     config = load_dualflow_config(model_path)
     tokenizer = load_tokenizer(model_path)
     block_size = min(block_size, config.max_position_embeddings)
-    train_blocks, eval_blocks = split_blocks(pack_blocks(texts, tokenizer, block_size), eval_fraction)
+    train_blocks, eval_blocks = split_blocks(pack_blocks(texts, tokenizer, block_size, progress=True), eval_fraction)
     print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
     # The staging folder is made at once: an output that cannot be written fails before training.
     with staged_folder(output_dir) as staging, checkpoints_kept_on_failure(staging, output_dir):
@@ -422,7 +431,10 @@ def finetune(
         saved_router_setting = model.config.output_router_logits
         model.config.output_router_logits = bool(model.config.num_experts)
         if lora:
-            model = add_lora(model, lora_r, lora_alpha)
+            try:
+                model = add_lora(model, lora_r, lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules)
+            except ValueError as error:  # PEFT: target modules the model does not have
+                raise DualFlowUserError(f"--target-modules: {str(error).strip().splitlines()[0]}") from None
         trainable = model.num_parameters(only_trainable=True)
         print(f"trainable parameters: {trainable:,}")
 
@@ -446,7 +458,7 @@ def finetune(
         model.save_pretrained(staging)
         mode = "LoRA" if lora else "aux-only" if aux_only else "full"
         training = (
-            f"Fine-tuned ({mode}) with `dualflow finetune` on `{Path(data_path).name}`: eval NLL per token (nats) "
+            f"Fine-tuned ({mode}) with `dualflow finetune` on `{', '.join(path.name for path in map(Path, [data_path] if isinstance(data_path, (str, os.PathLike)) else data_path))}`: eval NLL per token (nats) "
             f"before: {_format_nll(before)}; after: {_format_nll(after)}."
         )
         if lora:

@@ -70,7 +70,15 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
     parser.add_argument(
         "--data",
         required=True,
-        help='FILE.txt (one document), FILE.jsonl (one {"text": ...} per line) or a folder of such files',
+        nargs="+",
+        help='FILE.txt (one document), FILE.jsonl (one {"text": ...} per line) or a folder of such files; several '
+        "may be given",
+    )
+    parser.add_argument(
+        "--text-field",
+        "--text_field",
+        default="text",
+        help='the field of each .jsonl line that holds its text ("text")',
     )
     parser.add_argument(
         "--output-dir", "--output_dir", help="where to save the result (default: ./<model name>-finetuned or -lora)"
@@ -100,6 +108,14 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
     )
     parser.add_argument("--lora-r", "--lora_r", type=int, default=16, help="LoRA rank (16)")
     parser.add_argument("--lora-alpha", "--lora_alpha", type=int, default=32, help="LoRA alpha (32)")
+    parser.add_argument("--lora-dropout", "--lora_dropout", type=float, default=0.0, help="LoRA dropout (0)")
+    parser.add_argument(
+        "--target-modules",
+        "--target_modules",
+        nargs="+",
+        help="modules LoRA adapts, e.g. q_proj v_proj ('experts': the fused MoE experts); default: every attention, "
+        "MLP and expert projection",
+    )
     for flag, (name, kind) in ALIASES.items():
         parser.add_argument(flag, dest=name, type=kind, help=f"alias of --{name.replace('_', '-')}")
     parser.add_argument("--help-trainer", action=TrainerHelp, help="list every TrainingArguments flag and exit")

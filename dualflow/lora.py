@@ -25,21 +25,33 @@ AUX_MODULES = [
 ]
 
 
-def dualflow_lora_config(config, r: int = 16, lora_alpha: int = 32, train_aux_modules: bool = True) -> LoraConfig:
+def dualflow_lora_config(
+    config,
+    r: int = 16,
+    lora_alpha: int = 32,
+    train_aux_modules: bool = True,
+    lora_dropout: float = 0.0,
+    target_modules: list[str] | None = None,
+) -> LoraConfig:
     """
-    LoRA on attention, MLP and (MoE) fused expert weights; the aux flow's own modules are trained in full unless
+    LoRA on attention, MLP and (MoE) fused expert weights, or on the `target_modules` given (module names; the fused
+    experts then only if "experts" is among them); the aux flow's own modules are trained in full unless
     `train_aux_modules` is False (LoRA on a model served as a single flow).
     """
+    experts = config.num_experts and (target_modules is None or "experts" in target_modules)
     return LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
-        target_modules=ATTENTION_PROJECTIONS + MLP_PROJECTIONS,
-        target_parameters=FUSED_EXPERT_PARAMETERS if config.num_experts else None,
+        lora_dropout=lora_dropout,
+        target_modules=ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+        if target_modules is None
+        else [name for name in target_modules if name != "experts"],
+        target_parameters=FUSED_EXPERT_PARAMETERS if experts else None,
         modules_to_save=AUX_MODULES if train_aux_modules else None,
         task_type="CAUSAL_LM",
     )
 
 
-def add_lora(model, r: int = 16, lora_alpha: int = 32, train_aux_modules: bool = True) -> PeftModel:
-    """Wrap `model` with LoRA as configured by `dualflow_lora_config`."""
-    return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha, train_aux_modules))
+def add_lora(model, r: int = 16, lora_alpha: int = 32, train_aux_modules: bool = True, **options) -> PeftModel:
+    """Wrap `model` with LoRA as configured by `dualflow_lora_config` (`options`: its `lora_dropout`, `target_modules`)."""
+    return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha, train_aux_modules, **options))

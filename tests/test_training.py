@@ -194,13 +194,24 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
 
 def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(model_dir.parent)  # the model given as a relative path, as a user types it
-    data = tmp_path / "corpus.jsonl"
+    # Several data paths, one a folder; the text of .jsonl lines in a field of the user's choice.
+    (tmp_path / "corpus").mkdir()
+    data = tmp_path / "corpus" / "part.jsonl"
     lines = stdlib_text("textwrap.py", chars=6000).split("\n\n")
-    data.write_text("\n".join(json.dumps({"text": chunk, "id": i}) for i, chunk in enumerate(lines)) + "\n")
+    data.write_text("\n".join(json.dumps({"body": chunk, "id": i}) for i, chunk in enumerate(lines)) + "\n")
+    (tmp_path / "more.jsonl").write_text(json.dumps({"body": stdlib_text("inspect.py", chars=2000)}) + "\n")
     out = tmp_path / "adapter"
     argv = (
         "--data",
-        data,
+        tmp_path / "corpus",
+        tmp_path / "more.jsonl",
+        "--text-field",
+        "body",
+        "--lora-dropout",
+        0.1,
+        "--target-modules",
+        "q_proj",
+        "v_proj",
         "--output-dir",
         out,
         "--lora",
@@ -216,7 +227,10 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys, monkeypatch):
     assert set(printed_nll(capsys.readouterr().out, "after")) == {"aux flow", "primary flow"}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     # The adapter names its base model by a path that loads from any directory, and has a card of its own.
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir)
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(model_dir)
+    assert set(adapter_config["target_modules"]) == {"q_proj", "v_proj"} and adapter_config["lora_dropout"] == 0.1
+    assert adapter_config["target_parameters"] is None  # "experts" not asked for
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
