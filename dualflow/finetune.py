@@ -218,13 +218,21 @@ class StopOnNonFiniteLoss(TrainerCallback):
         self._hook.remove()
 
 
-def flow_nll(model, blocks: torch.Tensor, batch_size: int = 8) -> dict[str, float]:
-    """Mean next-token NLL per token (nats) of each flow over `blocks`: {"aux flow": ..., "primary flow": ...}."""
+def flow_nll(model, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False) -> dict[str, float]:
+    """
+    Mean next-token NLL per token (nats) of each flow over `blocks`: {"aux flow": ..., "primary flow": ...};
+    `progress` shows a progress bar over the batches.
+    """
     was_training = model.training
     model.eval()
-    nll = mean_token_nlls(model, blocks, ("logits", "primary_logits"), batch_size, use_aux_flow=True)
+    totals = {"logits": 0.0, "primary_logits": 0.0}
+    for start in tqdm(range(0, len(blocks), batch_size), desc="eval NLL", unit=" batches", disable=not progress):
+        batch = blocks[start : start + batch_size]
+        nll = mean_token_nlls(model, batch, tuple(totals), batch_size, use_aux_flow=True)
+        for field in totals:  # every block has the same length: weighing by blocks weighs by tokens
+            totals[field] += nll[field] * len(batch)
     model.train(was_training)
-    return {"aux flow": nll["logits"], "primary flow": nll["primary_logits"]}
+    return {"aux flow": totals["logits"] / len(blocks), "primary flow": totals["primary_logits"] / len(blocks)}
 
 
 def _format_nll(nll: dict[str, float]) -> str:
@@ -395,6 +403,7 @@ def finetune(
     lora_dropout: float = 0.0,
     target_modules: list[str] | None = None,
     text_field: str = "text",
+    eval_blocks_max: int | None = None,
     **training_arguments,
 ) -> FinetuneResult:
     """
@@ -407,6 +416,8 @@ def finetune(
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
     _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments)
+    if eval_blocks_max is not None and eval_blocks_max < 1:
+        raise DualFlowUserError(f"--eval-blocks must be >= 1, got {eval_blocks_max}")
     if lora and not 0 <= lora_dropout < 1:
         raise DualFlowUserError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
     output_dir = Path(output_dir)
@@ -420,6 +431,9 @@ def finetune(
     block_size = min(block_size, config.max_position_embeddings)
     train_blocks, eval_blocks = split_blocks(pack_blocks(texts, tokenizer, block_size, progress=True), eval_fraction)
     print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
+    measured = eval_blocks[:eval_blocks_max]  # the blocks the NLL before / after training is measured on
+    if len(measured) < len(eval_blocks):
+        print(f"eval NLL before / after measured on {len(measured)} of the {len(eval_blocks)} eval blocks")
     # The staging folder is made at once: an output that cannot be written fails before training.
     with staged_folder(output_dir) as staging, checkpoints_kept_on_failure(staging, output_dir):
         # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
@@ -440,7 +454,7 @@ def finetune(
 
         trainer = make_trainer(model, train_blocks, eval_blocks, staging, **training_arguments)
         eval_batch = trainer.args.per_device_eval_batch_size
-        before = flow_nll(trainer.model, eval_blocks, eval_batch)
+        before = flow_nll(trainer.model, measured, eval_batch, progress=True)
         print(f"eval NLL per token (nats) before: {_format_nll(before)}")
         print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
         divergence = StopOnNonFiniteLoss()
@@ -450,7 +464,10 @@ def finetune(
             raise TrainingDiverged(divergence.diverged_at)
         # Measured as "before" was, in float32: training left `--bf16`'s autocast wrapped around the model's forward.
         after = flow_nll(
-            trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False), eval_blocks, eval_batch
+            trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False),
+            measured,
+            eval_batch,
+            progress=True,
         )
         print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
 

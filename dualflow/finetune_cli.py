@@ -106,6 +106,13 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
         default=0.1,
         help="share of blocks held out for evaluation (0.1)",
     )
+    parser.add_argument(
+        "--eval-blocks",
+        "--eval_blocks",
+        dest="eval_blocks_max",
+        type=int,
+        help="measure the eval NLL before / after training on at most this many of the held-out blocks (all)",
+    )
     parser.add_argument("--lora-r", "--lora_r", type=int, default=16, help="LoRA rank (16)")
     parser.add_argument("--lora-alpha", "--lora_alpha", type=int, default=32, help="LoRA alpha (32)")
     parser.add_argument("--lora-dropout", "--lora_dropout", type=float, default=0.0, help="LoRA dropout (0)")

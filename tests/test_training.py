@@ -184,7 +184,9 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     os.umask(umask)
     assert stat.S_IMODE((tmp_path / "full").stat().st_mode) == 0o777 & ~umask  # like mkdir, not mkdtemp's 0700
 
-    assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "aux", "--aux-only", *common) == 0
+    aux_argv = ("--data", data, "--output-dir", tmp_path / "aux", "--aux-only", "--eval-blocks", 1)
+    assert run_finetune(model_dir, *aux_argv, *common) == 0
+    assert "eval NLL before / after measured on 1 of the 19 eval blocks" in capsys.readouterr().out
     aux_only = AutoModelForCausalLM.from_pretrained(tmp_path / "aux")
     source = AutoModelForCausalLM.from_pretrained(model_dir)
     shared = [name for name, _ in source.named_parameters() if name not in source.aux_parameter_names()]
