@@ -441,7 +441,7 @@ def finetune(
         model = load_dualflow_model(source, config=config, dtype=torch.float32)
         if aux_only:
             model.freeze_for_aux_training()
-        # The router balance loss is part of the training objective (docs/design.md §3); restored before saving.
+        # The router balance loss is part of the training objective (the model's loss adds it); restored before saving.
         saved_router_setting = model.config.output_router_logits
         model.config.output_router_logits = bool(model.config.num_experts)
         if lora:

@@ -1,10 +1,10 @@
 """
-Dual-Flow causal LM for vLLM (DESIGN §9), built from vLLM's own layers.
+Dual-Flow causal LM for vLLM, built from vLLM's own layers.
 
 The primary flow is the base model: every scheduled token goes through it and it alone writes the paged KV cache.
 The aux flow runs only at the rows vLLM samples from (each request's last scheduled token in a step, or every draft
 position under speculative decoding). In each layer its rows are stacked under the primary rows, so q/o projections,
-norms, router and experts see both flows in one call (DESIGN §5); its attention reads the primary layer's cache through a
+norms, router and experts see both flows in one call (grouped execution); its attention reads the primary layer's cache through a
 KV-sharing `Attention` layer with twice the query heads, which writes nothing. vLLM's KV-sharing fast-prefill
 metadata (switched on for this model by `DualFlowEngineConfig`) gives that layer exactly the sampled rows, so prefill
 pays the base model plus one aux row per request. In a step where every row is sampled (pure decode, speculative
