@@ -153,13 +153,18 @@ def test_ctrl_c_of_a_parallel_experiment_is_one_line(tmp_path):
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
-    deadline = time.monotonic() + 300
-    while len(children.read_text().split()) < 2:  # both workers of the pool are up
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.1)
-    time.sleep(1)
-    os.killpg(process.pid, signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 300
+        while len(children.read_text().split()) < 2:  # both workers of the pool are up
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.1)
+        time.sleep(1)
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:  # a failed test must not leave 100000-step runs training in the background
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     assert process.returncode == 130
     assert "Traceback" not in stderr and "ForkPoolWorker" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "dualflow experiment: interrupted"
