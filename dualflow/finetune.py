@@ -429,13 +429,14 @@ def finetune(
     config = load_dualflow_config(model_path)
     tokenizer = load_tokenizer(model_path)
     block_size = min(block_size, config.max_position_embeddings)
-    train_blocks, eval_blocks = split_blocks(pack_blocks(texts, tokenizer, block_size, progress=True), eval_fraction)
-    print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
-    measured = eval_blocks[:eval_blocks_max]  # the blocks the NLL before / after training is measured on
-    if len(measured) < len(eval_blocks):
-        print(f"eval NLL before / after measured on {len(measured)} of the {len(eval_blocks)} eval blocks")
-    # The staging folder is made at once: an output that cannot be written fails before training.
+    # The staging folder is made at once: an output that cannot be written fails before tokenizing and training.
     with staged_folder(output_dir) as staging, checkpoints_kept_on_failure(staging, output_dir):
+        blocks = pack_blocks(texts, tokenizer, block_size, progress=True)
+        train_blocks, eval_blocks = split_blocks(blocks, eval_fraction)
+        print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
+        measured = eval_blocks[:eval_blocks_max]  # the blocks the NLL before / after training is measured on
+        if len(measured) < len(eval_blocks):
+            print(f"eval NLL before / after measured on {len(measured)} of the {len(eval_blocks)} eval blocks")
         # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
         source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
         model = load_dualflow_model(source, config=config, dtype=torch.float32)
