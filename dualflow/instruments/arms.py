@@ -46,6 +46,16 @@ QUICK_SCALE = replace(
 DESIGN_KEYS = {"coupling_form", "aux_final_norm"}  # apply_aux_design's arguments
 
 
+def budget_suffix(token_factor: int) -> str:
+    """ " {f}x tokens" for f > 1 times the scale's tokens, else "": what an arm's name adds for its token budget."""
+    return f" {token_factor}x tokens" if token_factor > 1 else ""
+
+
+def budget_name(name: str, token_factor: int) -> str:
+    """The arm `name` (its 1x name) trained on `token_factor` x the scale's tokens."""
+    return name + budget_suffix(token_factor)
+
+
 @dataclass(frozen=True)
 class Arm:
     """
@@ -71,8 +81,7 @@ class Arm:
     @property
     def tokens_suffix(self) -> str:
         """ " {f}x tokens" for an arm trained on f > 1 times the scale's tokens, else ""."""
-        factor = self.training.get("token_factor", 1)
-        return f" {factor}x tokens" if factor > 1 else ""
+        return budget_suffix(self.training.get("token_factor", 1))
 
     @property
     def baseline_name(self) -> str:
@@ -300,7 +309,7 @@ ARM_GROUPS = {
     "size": ("single k2",) + tuple(arm.name for arm in SIZE_ARMS),
     # seed-major runs go cheapest budget first, so a run cut short still has whole budgets
     "tokens": tuple(TOKEN_STUDY.values())
-    + tuple(name + f" {factor}x tokens" for factor in TOKEN_BUDGETS for name in TOKEN_STUDY.values()),
+    + tuple(budget_name(name, factor) for factor in TOKEN_BUDGETS for name in TOKEN_STUDY.values()),
 }
 
 

@@ -170,8 +170,7 @@ def plot_token_scaling(report: dict, path) -> None:
     The token study: each arm's validation loss against its training tokens (log x, mean ± SE over seeds), and each
     arm's training cost per token beside it (CPU seconds per 1k tokens, one thread a run).
     """
-    from .arms import TOKEN_STUDY
-    from .report import budget_name
+    from .arms import TOKEN_STUDY, budget_name
 
     plt = pyplot()
     by_name = {arm["name"]: arm for arm in report["arms"]}

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import DualFlowUserError
-from .arms import BASELINE, DESIGN_REFERENCE, SIZE_STUDY, TOKEN_BUDGETS, TOKEN_STUDY, arm_costs
+from .arms import BASELINE, DESIGN_REFERENCE, SIZE_STUDY, TOKEN_BUDGETS, TOKEN_STUDY, arm_costs, budget_name
 from .scale import TinyScale
 from .stats import depth_gain_share, format_error, mean_and_error, paired_differences, ratio_and_error
 from .tables import text_table
@@ -16,7 +16,6 @@ from .tables import text_table
 
 SCHEMA = "dualflow-experiment/2"
 DEPTH_SHARE_TARGET = 0.75  # token study: a design's share of 2x depth's gain at some budget
-RETENTION_TARGET = 0.5  # token study: a design's gain at the largest budget over its gain at 1x
 
 
 def made_the_same_way(previous: dict, schema: str, scale: TinyScale, data: dict) -> bool:
@@ -91,11 +90,6 @@ def size_study(summary: list[dict], scale: TinyScale) -> list[dict]:
             }
         rows.append(row)
     return rows
-
-
-def budget_name(name: str, factor: int) -> str:
-    """The token-study arm `name` (its 1x name) trained on `factor` x the tokens."""
-    return name if factor == 1 else f"{name} {factor}x tokens"
 
 
 def iso_token_ratio(loss: float, baseline_curve: list[tuple[float, float]]) -> tuple[float, bool]:
