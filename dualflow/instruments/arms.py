@@ -46,6 +46,11 @@ QUICK_SCALE = replace(
 DESIGN_KEYS = {"coupling_form", "aux_final_norm"}  # apply_aux_design's arguments
 
 
+def with_steps(scale: TinyScale, steps: int) -> TinyScale:
+    """`scale` trained for `steps` steps (its warmup cut to fit)."""
+    return replace(scale, steps=steps, warmup_steps=min(scale.warmup_steps, steps))
+
+
 def budget_suffix(token_factor: int) -> str:
     """ " {f}x tokens" for f > 1 times the scale's tokens, else "": what an arm's name adds for its token budget."""
     return f" {token_factor}x tokens" if token_factor > 1 else ""

@@ -11,11 +11,21 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import DualFlowUserError
-from .arms import ARM_GROUPS, ARMS, ARMS_BY_NAME, BASELINE, DEFAULT_SCALE, FLOPS_FORMULA, QUICK_SCALE, select_arms
+from .arms import (
+    ARM_GROUPS,
+    ARMS,
+    ARMS_BY_NAME,
+    BASELINE,
+    DEFAULT_SCALE,
+    FLOPS_FORMULA,
+    QUICK_SCALE,
+    select_arms,
+    with_steps,
+)
 from .plots import plot_depth_share_vs_size, plot_frontier, plot_loss_curves, plot_token_scaling, pyplot
 from .report import (
     SCHEMA,
@@ -47,7 +57,7 @@ def build_parser(prog: str = "dualflow experiment") -> argparse.ArgumentParser:
         choices=("scratch", "upcycle"),
         default="scratch",
         help="scratch: every arm trained from scratch (default); upcycle: pretrain single-flow, save as Qwen3-MoE, "
-        "convert, continue each recipe for the same tokens",
+        "convert, continue each recipe for the same tokens (or, equal-compute recipes, the same training FLOPs)",
     )
     parser.add_argument("--data", nargs="+", help="text files (default: the Python standard library sources)")
     parser.add_argument("--seeds", type=int, help=f"seeds per arm (default {DEFAULT_SEEDS}; --quick: 2)")
@@ -58,18 +68,26 @@ def build_parser(prog: str = "dualflow experiment") -> argparse.ArgumentParser:
         help="upcycle: steps each recipe continues after conversion (default: half of --steps, the pretraining's)",
     )
     parser.add_argument(
+        "--base-steps",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="upcycle: pretrain bases of each of these lengths (instead of --steps), each base's report in "
+        "--out/base-N, and fit the trend of each dual recipe's gain with the base's length (--out/base_length.json)",
+    )
+    parser.add_argument(
         "--arms",
         nargs="+",
         metavar="ARM",
         help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default). Arms: {', '.join(repr(n) for n in ARMS_BY_NAME)}. "
-        "With --regime upcycle: recipes or groups (default, lr, all)",
+        "With --regime upcycle: recipes or groups (default, lr, compute, rounds, all)",
     )
     parser.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the runs of --out/experiment.json (upcycle: upcycle.json) made with the same scale and data, and "
-        "train only the missing arm/seed runs",
+        help="keep the runs of --out/experiment.json (upcycle: upcycle.json, each base's with --base-steps) made with the "
+        "same scale and data, and train only the missing arm/seed runs",
     )
     parser.add_argument("--jobs", type=int, help="runs trained at once, each in its own process (default: CPU count)")
     parser.add_argument(
@@ -86,15 +104,18 @@ def run(args) -> int:
     if args.steps is not None:
         if args.steps < 1:
             raise DualFlowUserError(f"--steps must be >= 1, got {args.steps}")
-        scale = replace(scale, steps=args.steps, warmup_steps=min(scale.warmup_steps, args.steps))
+        scale = with_steps(scale, args.steps)
     num_seeds = args.seeds if args.seeds is not None else (2 if args.quick else DEFAULT_SEEDS)
     if num_seeds < 1:
         raise DualFlowUserError(f"--seeds must be >= 1, got {num_seeds}")
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     if jobs < 1 or args.threads < 1:
         raise DualFlowUserError(f"--jobs and --threads must be >= 1, got {jobs} and {args.threads}")
-    if args.continue_steps is not None and args.regime != "upcycle":
-        raise DualFlowUserError("--continue-steps applies to --regime upcycle only")
+    for flag, value in (("--continue-steps", args.continue_steps), ("--base-steps", args.base_steps)):
+        if value is not None and args.regime != "upcycle":
+            raise DualFlowUserError(f"{flag} applies to --regime upcycle only")
+    if args.base_steps is not None and (args.steps is not None or min(args.base_steps) < 1):
+        raise DualFlowUserError(f"--base-steps takes lengths >= 1 in place of --steps, got {args.base_steps}")
     if args.regime == "upcycle":
         from .upcycle import run_upcycle  # imports the converter and PEFT, which the default regime does not need
 

@@ -260,6 +260,8 @@ def command_line(args) -> str:
     for flag, value in options + (("--jobs", args.jobs),):
         if value is not None:
             parts += [flag, str(value)]
+    if args.base_steps:
+        parts += ["--base-steps", *map(str, args.base_steps)]
     for flag, values in (("--data", args.data), ("--arms", args.arms)):
         if values:
             parts += [flag] + [shlex.quote(str(value)) for value in values]

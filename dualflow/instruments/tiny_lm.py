@@ -92,16 +92,26 @@ def train_model(
     steps: int,
     desc: str = "train",
     show_progress: bool = True,
+    round_gate_lr_factor: float = 1.0,
 ) -> list[float]:
     """
     Train the parameters of `model` that require grad on `steps` batches drawn with `batch_seed`, with the recipe of
     `scale` (AdamW, linear warmup, cosine decay to 10% of the peak); leaves the model in eval mode and returns the
-    per-step training NLL of the prediction.
+    per-step training NLL of the prediction. `round_gate_lr_factor` scales the learning rate of the aux round gates
+    (AdamW moves a parameter by about the rate per step, so closed gates open that much faster).
     """
     model.train()
-    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    named = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    trainable = [parameter for _, parameter in named]
+    groups = [{"params": trainable}]
+    if round_gate_lr_factor != 1:  # the gates in a group of their own (only then: the other runs stay as they were)
+        gates = [parameter for name, parameter in named if ".aux_round_gate." in name]
+        groups = [
+            {"params": [parameter for name, parameter in named if ".aux_round_gate." not in name]},
+            {"params": gates, "lr": scale.learning_rate * round_gate_lr_factor},
+        ]
     optimizer = torch.optim.AdamW(
-        trainable, lr=scale.learning_rate, betas=(0.9, scale.adam_beta2), weight_decay=scale.weight_decay
+        groups, lr=scale.learning_rate, betas=(0.9, scale.adam_beta2), weight_decay=scale.weight_decay
     )
     schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, scale.warmup_steps, steps, min_lr_rate=0.1)
     batches = torch.Generator().manual_seed(batch_seed)

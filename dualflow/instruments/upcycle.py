@@ -3,12 +3,17 @@
 Per seed: pretrain a single-flow MoE, save it as a transformers Qwen3-MoE checkpoint, convert it with the real
 `convert_checkpoint` (k_a = k_p and k_a = 2 k_p), then continue every recipe for the same tokens on the same new
 batches: the single-flow model continued (what a user would otherwise do), dual full training, dual aux-only, and
-LoRA on the shared weights + the aux flow. Aux (prediction) and primary validation losses are paired by seed.
-`--arms` picks recipes or groups (default, lr, all); `--resume` trains only the recipe/seed runs an earlier
-report lacks, after checking that each seed's retrained base is the one it was paired with.
+LoRA on the shared weights + the aux flow. Aux (prediction) and primary validation losses are paired by seed, with
+the single-flow model continued for the same tokens and, where the report has one, with the single-flow model
+continued for the same training FLOPs (more steps on new batches). `--arms` picks recipes or groups (default, lr,
+compute, rounds, all); `--resume` trains only the recipe/seed runs an earlier report lacks, after checking that each
+seed's retrained base is the one it was paired with. `--base-steps` repeats the study for bases pretrained for
+several lengths (a folder each) and fits the trend of each dual recipe's gain with the base's length.
 """
 
+import copy
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -25,6 +30,7 @@ from ..convert import convert_checkpoint
 from ..errors import DualFlowUserError
 from ..lora import add_lora
 from ..scoring import mean_token_nll, mean_token_nlls
+from .arms import arm_costs, dual, single, with_steps
 from .report import command_line, made_the_same_way, print_footer
 from .runner import fork_pool, load_corpus
 from .stats import format_error, mean_and_error, paired_differences
@@ -33,7 +39,9 @@ from .tiny_lm import TinyScale, tiny_moe_config, train_language_model, train_mod
 
 
 SCHEMA = "dualflow-upcycle/1"
+BASE_LENGTH_SCHEMA = "dualflow-upcycle-base-length/1"
 CONTINUE_SEED_OFFSET = 10_000  # continued training draws batches the pretraining never drew in that order
+PRETRAIN_TOP_K = 2  # the base is single-flow k2
 
 
 ADAPTER_RANK = 16  # the prototype's rank
@@ -45,7 +53,10 @@ class Recipe:
     How to continue: `aux_factor` None = single flow, else k_a = aux_factor * k_p; `train` = all / aux / lora;
     `adapter_rank`: converted with aux adapters of that rank (`--aux-adapter-rank`). `lora_rank` None (with train =
     lora): the rank whose trainable parameters match the aux-adapter recipe's. `learning_rate_factor` scales the
-    scale's learning rate.
+    scale's learning rate. `aux_rounds`: converted with that many aux rounds (`--aux-rounds`, closed gates), whose
+    gates train at `round_gate_lr_factor` x the rate. `depth_factor`: the single-flow model with each layer repeated
+    that many times in place (depth up-scaling). `compute_of`: continue for the training FLOPs that recipe spends
+    in the continued steps (more steps, new batches) instead of for the same tokens.
     """
 
     name: str
@@ -54,10 +65,21 @@ class Recipe:
     adapter_rank: int = 0
     lora_rank: int | None = 16
     learning_rate_factor: float = 1.0
+    aux_rounds: int = 1
+    round_gate_lr_factor: float = 1.0
+    depth_factor: int = 1
+    compute_of: str | None = None
+
+
+def equal_compute(reference: str) -> Recipe:
+    """The single-flow model continued for the training FLOPs of the recipe `reference`."""
+    return Recipe(f"single continued, compute of {reference}", None, "all", compute_of=reference)
 
 
 DEFAULT_RECIPES = (
     Recipe("single continued", None, "all"),
+    equal_compute("dual full ka=2kp"),
+    equal_compute("dual full ka=kp"),
     # What a user could do with the aux adapters' parameter budget without Dual-Flow.
     Recipe("single lora, adapter budget", None, "lora", lora_rank=None),
     Recipe("dual full ka=kp", 1, "all"),
@@ -81,11 +103,32 @@ LEARNING_RATE_RECIPES = tuple(
     in ("dual lora+aux ka=2kp", "dual aux-only ka=2kp", "dual aux-only+adapters ka=2kp", "single lora r16")
     for factor in LEARNING_RATE_FACTORS
 )
-RECIPES = DEFAULT_RECIPES + LEARNING_RATE_RECIPES
+# Buying depth after pretraining: the aux flow converted with more rounds (closed gates, exact parity), the gates
+# trained at 10x the rate so they can open within the continued steps, against depth up-scaling (2x prefill and KV)
+# and the single-flow model continued for each one's compute.
+GATE_LR_FACTOR = 10.0
+R3_OPENING = f"dual full r3 ka=2kp gate lr x{GATE_LR_FACTOR:g}"
+DEPTH_UPSCALED = "single depth 2x (layers repeated)"
+ROUNDS_RECIPES = (
+    Recipe("dual full r2 ka=2kp", 2, "all", aux_rounds=2),
+    Recipe(
+        f"dual full r2 ka=2kp gate lr x{GATE_LR_FACTOR:g}", 2, "all", aux_rounds=2, round_gate_lr_factor=GATE_LR_FACTOR
+    ),
+    Recipe(R3_OPENING, 2, "all", aux_rounds=3, round_gate_lr_factor=GATE_LR_FACTOR),
+    Recipe(DEPTH_UPSCALED, None, "all", depth_factor=2),
+    equal_compute("dual full r2 ka=2kp"),
+    equal_compute(R3_OPENING),
+    equal_compute(DEPTH_UPSCALED),
+)
+RECIPES = DEFAULT_RECIPES + LEARNING_RATE_RECIPES + ROUNDS_RECIPES
 RECIPES_BY_NAME = {recipe.name: recipe for recipe in RECIPES}
 RECIPE_GROUPS = {
     "default": tuple(recipe.name for recipe in DEFAULT_RECIPES),
     "lr": tuple(recipe.name for recipe in LEARNING_RATE_RECIPES),
+    # the base-length study: dual full k_a = 2 k_p beside single continued for its tokens and for its compute
+    "compute": ("single continued", "single continued, compute of dual full ka=2kp", "dual full ka=2kp"),
+    "rounds": ("dual full ka=2kp", "single continued, compute of dual full ka=2kp")
+    + tuple(recipe.name for recipe in ROUNDS_RECIPES),
     "all": tuple(RECIPES_BY_NAME),
 }
 BASELINE = DEFAULT_RECIPES[0].name
@@ -117,6 +160,47 @@ def adapter_budget_lora_rank(folder: Path) -> int:
     )
     per_rank = add_lora(DualFlowForCausalLM(config), r=1, train_aux_modules=False).num_parameters(only_trainable=True)
     return max(1, round(budget / per_rank))
+
+
+def recipe_train_flops_per_token(recipe: Recipe, scale: TinyScale) -> float:
+    """Training FLOPs per token of the model `recipe` continues, by the experiment's formula (`arms.FLOPS_FORMULA`)."""
+    if recipe.aux_factor is None:
+        arm = single(PRETRAIN_TOP_K, depth_factor=recipe.depth_factor)
+    else:
+        arm = dual(PRETRAIN_TOP_K, recipe.aux_factor * PRETRAIN_TOP_K, aux_num_rounds=recipe.aux_rounds)
+    return arm_costs(arm, scale)["train_flops_per_token"]
+
+
+def recipe_steps(recipe: Recipe, scale: TinyScale, continue_steps: int) -> int:
+    """`continue_steps`, or for an equal-compute recipe the steps that spend its reference's training FLOPs."""
+    if recipe.compute_of is None:
+        return continue_steps
+    ratio = recipe_train_flops_per_token(RECIPES_BY_NAME[recipe.compute_of], scale) / recipe_train_flops_per_token(
+        recipe, scale
+    )
+    return max(1, round(continue_steps * ratio))
+
+
+def depth_upscaled(model: DualFlowForCausalLM, factor: int) -> DualFlowForCausalLM:
+    """
+    Depth up-scaling: a model with `factor` x the layers, layer i of `model` repeated in place as layers
+    factor * i ... factor * i + factor - 1, every other weight shared with `model` as it is. It does not compute as
+    `model` (each layer's update is applied `factor` times); continued training starts from there.
+    """
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers *= factor
+    deep = DualFlowForCausalLM(config)
+    state = {}
+    for name, value in model.state_dict().items():
+        prefix, _, rest = name.partition("model.layers.")
+        if prefix or not rest:
+            state[name] = value
+            continue
+        index, _, field = rest.partition(".")
+        for repeat in range(factor):
+            state[f"model.layers.{factor * int(index) + repeat}.{field}"] = value.clone()
+    deep.load_state_dict(state)
+    return deep
 
 
 def qwen3_moe_config_of(config: DualFlowConfig) -> Qwen3MoeConfig:
@@ -157,6 +241,8 @@ def trainable_model(recipe: Recipe, folder: Path):
     """Load the converted checkpoint for `recipe` and leave exactly its parameters trainable."""
     dual = recipe.aux_factor is not None
     model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=dual)
+    if recipe.depth_factor > 1:
+        model = depth_upscaled(model, recipe.depth_factor)
     if recipe.train == "lora":
         rank = recipe.lora_rank or adapter_budget_lora_rank(folder)
         return add_lora(model, r=rank, lora_alpha=2 * rank, train_aux_modules=recipe.aux_factor is not None)
@@ -182,7 +268,7 @@ def upcycle_seed(
     `earlier_base`: the base this seed's earlier runs continued (--resume); a retrained base that differs stops here.
     """
     torch.set_num_threads(1)
-    config = tiny_moe_config(scale, top_k=2, qk_norm="per_head")  # Qwen3-MoE normalises q and k per head
+    config = tiny_moe_config(scale, top_k=PRETRAIN_TOP_K, qk_norm="per_head")  # Qwen3-MoE normalises q and k per head
     base, _ = train_language_model(config, train_tokens, scale, seed, show_progress=False)
     result = {"base": {"seed": seed, **losses(base, val_blocks, dual=False)}}
     if earlier_base is not None and abs(result["base"]["primary_val_loss"] - earlier_base["primary_val_loss"]) > 1e-6:
@@ -192,32 +278,43 @@ def upcycle_seed(
         )
     with tempfile.TemporaryDirectory(prefix="dualflow-upcycle-") as tmp:
         source = save_as_qwen3_moe(base, Path(tmp) / "qwen3-moe")
-        converted = {}  # (k_a / k_p, adapter rank): folder written by the real converter
-        for factor, rank in sorted({(recipe.aux_factor or 1, recipe.adapter_rank) for recipe in recipes}):
-            folder = converted[factor, rank] = Path(tmp) / f"dualflow-ka{factor}x-adapters{rank}"
+        converted = {}  # (k_a / k_p, adapter rank, aux rounds): folder written by the real converter
+        for factor, rank, rounds in sorted(
+            {(recipe.aux_factor or 1, recipe.adapter_rank, recipe.aux_rounds) for recipe in recipes}
+        ):
+            folder = converted[factor, rank, rounds] = Path(tmp) / f"dualflow-ka{factor}x-adapters{rank}-r{rounds}"
             convert_checkpoint(
                 source,
                 folder,
                 aux_top_k=factor * config.num_experts_per_tok,
                 aux_adapter_rank=rank,
+                aux_rounds=rounds,
                 show_progress=False,
             )
-            if not rank:
+            if not rank and rounds == 1:
                 initial = DualFlowForCausalLM.from_pretrained(folder)
                 result["base"][f"aux_val_loss_at_conversion_ka{factor}x"] = losses(initial, val_blocks, dual=True)[
                     "aux_val_loss"
                 ]
         for recipe in recipes:
-            model = trainable_model(recipe, converted[recipe.aux_factor or 1, recipe.adapter_rank])
+            model = trainable_model(recipe, converted[recipe.aux_factor or 1, recipe.adapter_rank, recipe.aux_rounds])
             start, cpu_start = time.perf_counter(), time.process_time()
             recipe_scale = replace(scale, learning_rate=scale.learning_rate * recipe.learning_rate_factor)
+            steps = recipe_steps(recipe, scale, continue_steps)
             train_model(
-                model, train_tokens, recipe_scale, seed + CONTINUE_SEED_OFFSET, continue_steps, show_progress=False
+                model,
+                train_tokens,
+                recipe_scale,
+                seed + CONTINUE_SEED_OFFSET,
+                steps,
+                show_progress=False,
+                round_gate_lr_factor=recipe.round_gate_lr_factor,
             )
             train_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
-            tokens = continue_steps * scale.batch_size * scale.block_size
+            tokens = steps * scale.batch_size * scale.block_size
             result[recipe.name] = {
                 "seed": seed,
+                "steps": steps,
                 "trainable_params": model.num_parameters(only_trainable=True),
                 "learning_rate": recipe_scale.learning_rate,
                 **({"lora_rank": model.peft_config["default"].r} if recipe.train == "lora" else {}),
@@ -226,47 +323,73 @@ def upcycle_seed(
                 "tokens_per_cpu_s": tokens / cpu_s,
                 **losses(model, val_blocks, dual=recipe.aux_factor is not None),
             }
+            gates = [parameter for name, parameter in model.named_parameters() if ".aux_round_gate." in name]
+            if gates and recipe.aux_factor is not None:  # how far the rounds opened (0 = the converted identity)
+                result[recipe.name]["round_gate_mean"] = torch.cat([gate.flatten() for gate in gates]).mean().item()
     return result
 
 
-def summarize(recipes, per_seed: list[dict]) -> list[dict]:
-    """Per recipe: losses over seeds and their paired differences to the single-flow continued model and the base."""
+def paired(runs: list[dict], baseline_runs: list[dict], key: str) -> dict | None:
+    """Mean ± SE of the paired differences run[key] - baseline primary loss, with the per-seed values (None if none)."""
+    by_seed = paired_differences(runs, baseline_runs, key)
+    return {**mean_and_error(list(by_seed.values())), "by_seed": by_seed} if by_seed else None
+
+
+def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
+    """
+    Per recipe: losses over seeds and their paired differences to the single-flow continued model, to the base, and
+    (dual recipes) to the single-flow model continued for the same training FLOPs per token, where the report has it.
+    """
     base_runs = [result["base"] for result in per_seed]
-    baseline_runs = [{**result[BASELINE], "val_loss": result[BASELINE]["primary_val_loss"]} for result in per_seed]
-    base_as_baseline = [{**run, "val_loss": run["primary_val_loss"]} for run in base_runs]
+
+    def as_baseline(runs):
+        return [{**run, "val_loss": run["primary_val_loss"]} for run in runs]
+
+    def runs_of(name):
+        return [result[name] for result in per_seed if name in result]
+
+    flops = {recipe.name: recipe_train_flops_per_token(recipe, scale) for recipe in recipes}
+    equal_compute_of = {  # training FLOPs per token -> the single-flow recipe that spends them
+        flops[recipe.compute_of]: recipe.name
+        for recipe in recipes
+        if recipe.compute_of is not None and recipe.compute_of in flops
+    }
     summary = []
     for recipe in recipes:
-        runs = [result[recipe.name] for result in per_seed if recipe.name in result]
+        runs = runs_of(recipe.name)
         key = "aux_val_loss" if recipe.aux_factor else "primary_val_loss"
         entry = {"name": recipe.name, **asdict(recipe), "runs": runs}
         entry["trainable_params"] = runs[0]["trainable_params"]
+        entry["steps"] = runs[0].get("steps")  # reports made before equal-compute recipes lack it
+        entry["train_flops_per_token"] = flops[recipe.name]
         for speed in ("tokens_per_s", "tokens_per_cpu_s"):
             entry[speed] = statistics.median(run[speed] for run in runs)
         for loss in ("aux_val_loss", "primary_val_loss"):
             values = [run[loss] for run in runs if run[loss] is not None]
             entry[loss] = mean_and_error(values) if values else None
-        entry["prediction_vs_single_continued"] = mean_and_error(
-            list(paired_differences(runs, baseline_runs, key).values())
-        )
-        entry["prediction_vs_base"] = mean_and_error(list(paired_differences(runs, base_as_baseline, key).values()))
-        entry["primary_vs_single_continued"] = mean_and_error(
-            list(paired_differences(runs, baseline_runs, "primary_val_loss").values())
-        )
+        entry["prediction_vs_single_continued"] = paired(runs, as_baseline(runs_of(BASELINE)), key)
+        entry["prediction_vs_base"] = paired(runs, as_baseline(base_runs), key)
+        entry["primary_vs_single_continued"] = paired(runs, as_baseline(runs_of(BASELINE)), "primary_val_loss")
+        partner = equal_compute_of.get(flops[recipe.name]) if recipe.aux_factor else None
+        comparison = paired(runs, as_baseline(runs_of(partner)), key) if partner else None
+        entry["prediction_vs_single_equal_compute"] = {"vs": partner, **comparison} if comparison else None
         summary.append(entry)
     return summary
 
 
 def format_table(summary: list[dict], base: dict) -> str:
-    header = ["recipe", "prediction val loss", "Δ vs single continued", "Δ vs base", "primary Δ vs single continued"]
-    header += ["trainable params", "train tok/s (wall / CPU)"]
-    rows = [["base (pretrained)", f"{base['mean']:.4f}", "-", "-", "-", "-", "-"]]
+    header = ["recipe", "steps", "prediction val loss", "Δ vs single continued", "Δ vs single, equal compute"]
+    header += ["Δ vs base", "primary Δ vs single continued", "trainable params", "train tok/s (wall / CPU)"]
+    rows = [["base (pretrained)", "-", f"{base['mean']:.4f}", "-", "-", "-", "-", "-", "-"]]
     for entry in summary:
         loss = entry["aux_val_loss"] or entry["primary_val_loss"]
         rows.append(
             [
                 entry["name"],
+                str(entry["steps"] or "-"),
                 format_error(loss, sign=False),
                 format_error(entry["prediction_vs_single_continued"]),
+                format_error(entry["prediction_vs_single_equal_compute"]),
                 format_error(entry["prediction_vs_base"]),
                 format_error(entry["primary_vs_single_continued"]),
                 f"{entry['trainable_params']:,}",
@@ -277,7 +400,12 @@ def format_table(summary: list[dict], base: dict) -> str:
 
 
 def previous_upcycle(path: Path, scale: TinyScale, continue_steps: int, data: dict) -> tuple[dict, dict]:
-    """({seed: {"base": ..., recipe name: run}}, the report) of an earlier upcycle report made the same way."""
+    """
+    ({seed: {"base": ..., recipe name: run}}, the report) of an earlier upcycle report made the same way; ({}, {})
+    where there is none yet (a study of several base lengths resumed before it reached this one).
+    """
+    if not path.exists():
+        return {}, {}
     previous = json.loads(path.read_text())
     if not made_the_same_way(previous, SCHEMA, scale, data) or previous["continue_steps"] != continue_steps:
         raise DualFlowUserError(
@@ -298,20 +426,11 @@ def merge_seed(earlier: dict | None, result: dict) -> dict:
     return earlier | runs | {"base": earlier["base"] | result["base"]}
 
 
-def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
-    """Pretrain `scale.steps`, continue `--continue-steps` (default half as many); the options were checked by
-    `experiment.run`."""
-    continue_steps = args.continue_steps or max(1, scale.steps // 2)
-    if continue_steps < 1:
-        raise DualFlowUserError(f"--continue-steps must be >= 1, got {continue_steps}")
-    recipes = select_recipes(args.arms)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise DualFlowUserError(f"--out {out} exists and is not a folder")
+def upcycle_report(args, scale, continue_steps, recipes, out: Path, corpus, num_seeds: int, jobs: int) -> dict:
+    """Every seed's missing recipe runs for one base length, merged with --out's earlier ones; writes upcycle.json."""
+    train_tokens, val_blocks, data = corpus
     out.mkdir(parents=True, exist_ok=True)
-    train_tokens, val_blocks, data = load_corpus(args.data, scale)
     earlier, previous = previous_upcycle(out / "upcycle.json", scale, continue_steps, data) if args.resume else ({}, {})
-    disable_progress_bar()  # transformers' per-load weight bars, dozens per seed
     started = time.perf_counter()
     tasks = []
     for seed in range(num_seeds):
@@ -329,7 +448,7 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
         by_seed[result["base"]["seed"]] = merge_seed(earlier.get(result["base"]["seed"]), result)
     per_seed = [by_seed[seed] for seed in sorted(by_seed)]
     names = {name for result in per_seed for name in result}
-    summary = summarize([recipe for recipe in RECIPES if recipe.name in names], per_seed)
+    summary = summarize([recipe for recipe in RECIPES if recipe.name in names], per_seed, scale)
     base = mean_and_error([result["base"]["primary_val_loss"] for result in per_seed])
     report = {
         "schema": SCHEMA,
@@ -350,8 +469,113 @@ def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
     print(report["table"])
     print(
         f"prediction = aux flow for dual recipes; Δ paired by seed, ± = standard error over the seeds each recipe "
-        f"ran ({len(per_seed)} at most); pretrain {scale.steps} steps, continue {continue_steps} steps. "
+        f"ran ({len(per_seed)} at most); equal compute: the single-flow model continued for the recipe's training "
+        f"FLOPs; pretrain {scale.steps} steps, continue {continue_steps} steps. "
         f"Total {report['wall_s_total'] / 60:.1f} min."
     )
-    print_footer([out / "upcycle.json"], args.quick)
+    return report
+
+
+COMPARISONS = {"prediction_vs_single_continued": "equal tokens", "prediction_vs_single_equal_compute": "equal compute"}
+
+
+def base_length_trend(reports: list[dict]) -> list[dict]:
+    """
+    Per dual recipe and comparison (equal tokens / equal compute) found at every base length: the paired gain per
+    base, and a line fitted per seed (gain on log2 base steps, on the seeds every base has): its slope per doubling of
+    the base's length and its value at the longest base, mean ± SE over the seeds, and where the mean line reaches 0
+    when it heads there (an extrapolation).
+    """
+    steps = [report["pretrain_steps"] for report in reports]
+    entries = [{entry["name"]: entry for entry in report["recipes"]} for report in reports]
+    rows = []
+    for name in entries[0]:
+        for key, comparison in COMPARISONS.items():
+            gains = [by_name.get(name, {}).get(key) for by_name in entries]
+            if entries[0][name]["aux_factor"] is None or None in gains:
+                continue
+            row = {"recipe": name, "comparison": comparison, "vs": [gain.get("vs") for gain in gains]}
+            row["by_base"] = [{"base_steps": n, **without_seeds(gain)} for n, gain in zip(steps, gains)]
+            seeds = sorted(set.intersection(*(set(gain["by_seed"]) for gain in gains)))
+            xs = [math.log2(n) for n in steps]
+            if len(steps) < 2 or not seeds:
+                row["slope_per_doubling"] = row["at_longest_base"] = row["zero_at_base_steps"] = None
+            else:
+                fits = [statistics.linear_regression(xs, [gain["by_seed"][seed] for gain in gains]) for seed in seeds]
+                row["slope_per_doubling"] = mean_and_error([fit.slope for fit in fits])
+                row["at_longest_base"] = mean_and_error([fit.intercept + fit.slope * max(xs) for fit in fits])
+                slope, at_longest = row["slope_per_doubling"]["mean"], row["at_longest_base"]["mean"]
+                heads_to_zero = slope != 0 and (at_longest < 0) == (slope > 0)
+                row["zero_at_base_steps"] = 2 ** (max(xs) - at_longest / slope) if heads_to_zero else None
+            rows.append(row)
+    return rows
+
+
+def without_seeds(gain: dict) -> dict:
+    return {key: value for key, value in gain.items() if key != "by_seed"}
+
+
+def format_trend_table(rows: list[dict], steps: list[int]) -> str:
+    header = ["recipe", "Δ vs single at"] + [f"base {n}" for n in steps]
+    header += ["slope per doubling of the base", "fitted at the longest base", "fitted 0 at base steps"]
+    lines = []
+    for row in rows:
+        zero = row["zero_at_base_steps"]
+        lines.append(
+            [row["recipe"], row["comparison"]]
+            + [format_error(gain) for gain in row["by_base"]]
+            + [
+                format_error(row["slope_per_doubling"]),
+                format_error(row["at_longest_base"]),
+                "-" if zero is None else f"{zero:.0f} (extrapolated)",
+            ]
+        )
+    return text_table(header, lines)
+
+
+def run_upcycle(args, scale: TinyScale, num_seeds: int, jobs: int) -> int:
+    """
+    Pretrain `scale.steps` (or each of `--base-steps`, a folder each), continue `--continue-steps` (default half the
+    scale's steps, the same for every base); the options were checked by `experiment.run`.
+    """
+    continue_steps = args.continue_steps or max(1, scale.steps // 2)
+    if continue_steps < 1:
+        raise DualFlowUserError(f"--continue-steps must be >= 1, got {continue_steps}")
+    recipes = select_recipes(args.arms)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise DualFlowUserError(f"--out {out} exists and is not a folder")
+    corpus = load_corpus(args.data, scale)
+    disable_progress_bar()  # transformers' per-load weight bars, dozens per seed
+    if not args.base_steps:
+        upcycle_report(args, scale, continue_steps, recipes, out, corpus, num_seeds, jobs)
+        print_footer([out / "upcycle.json"], args.quick)
+        return 0
+    steps = sorted(set(args.base_steps))
+    written, reports = [], []
+    for base_steps in steps:  # each base length's report is complete before the next starts
+        written.append(out / f"base-{base_steps}" / "upcycle.json")
+        print(f"\nbase pretrained {base_steps} steps:")
+        base_scale = with_steps(scale, base_steps)
+        reports.append(
+            upcycle_report(args, base_scale, continue_steps, recipes, written[-1].parent, corpus, num_seeds, jobs)
+        )
+    trend = base_length_trend(reports)
+    summary = {
+        "schema": BASE_LENGTH_SCHEMA,
+        "command": command_line(args),
+        "base_steps": steps,
+        "continue_steps": continue_steps,
+        "reports": [str(path.relative_to(out)) for path in written],
+        "trend": trend,
+        "table": format_trend_table(trend, steps),
+    }
+    written.append(out / "base_length.json")
+    written[-1].write_text(json.dumps(summary, indent=1))
+    print(f"\n{summary['table']}")
+    print(
+        "Δ: the dual recipe's prediction minus the single-flow model continued for the same tokens / training FLOPs, "
+        "paired by seed; the line is fitted per seed on log2(base steps), ± = standard error over the seeds."
+    )
+    print_footer(written, args.quick)
     return 0
