@@ -107,17 +107,17 @@ LEARNING_RATE_RECIPES = tuple(
 # trained at 10x the rate so they can open within the continued steps, against depth up-scaling (2x prefill and KV)
 # and the single-flow model continued for each one's compute.
 GATE_LR_FACTOR = 10.0
-R3_OPENING = f"dual full r3 ka=2kp gate lr x{GATE_LR_FACTOR:g}"
+R3_FAST_GATES = f"dual full r3 ka=2kp gate lr x{GATE_LR_FACTOR:g}"
 DEPTH_UPSCALED = "single depth 2x (layers repeated)"
 ROUNDS_RECIPES = (
     Recipe("dual full r2 ka=2kp", 2, "all", aux_rounds=2),
     Recipe(
         f"dual full r2 ka=2kp gate lr x{GATE_LR_FACTOR:g}", 2, "all", aux_rounds=2, round_gate_lr_factor=GATE_LR_FACTOR
     ),
-    Recipe(R3_OPENING, 2, "all", aux_rounds=3, round_gate_lr_factor=GATE_LR_FACTOR),
+    Recipe(R3_FAST_GATES, 2, "all", aux_rounds=3, round_gate_lr_factor=GATE_LR_FACTOR),
     Recipe(DEPTH_UPSCALED, None, "all", depth_factor=2),
     equal_compute("dual full r2 ka=2kp"),
-    equal_compute(R3_OPENING),
+    equal_compute(R3_FAST_GATES),
     equal_compute(DEPTH_UPSCALED),
 )
 RECIPES = DEFAULT_RECIPES + LEARNING_RATE_RECIPES + ROUNDS_RECIPES
@@ -184,7 +184,7 @@ def recipe_steps(recipe: Recipe, scale: TinyScale, continue_steps: int) -> int:
 def depth_upscaled(model: DualFlowForCausalLM, factor: int) -> DualFlowForCausalLM:
     """
     Depth up-scaling: a model with `factor` x the layers, layer i of `model` repeated in place as layers
-    factor * i ... factor * i + factor - 1, every other weight shared with `model` as it is. It does not compute as
+    factor * i ... factor * i + factor - 1, every other weight copied as it is. It does not compute as
     `model` (each layer's update is applied `factor` times); continued training starts from there.
     """
     config = copy.deepcopy(model.config)
