@@ -242,8 +242,8 @@ def _format_nll(nll: dict[str, float]) -> str:
 @dataclass
 class FinetuneResult:
     output_dir: Path
-    eval_nll_before: dict[str, float]
-    eval_nll_after: dict[str, float]
+    eval_nll_before: dict[str, float] | None  # None: not measured (--eval-blocks 0)
+    eval_nll_after: dict[str, float] | None
     trainable_parameters: int
 
 
@@ -416,8 +416,8 @@ def finetune(
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
     _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments)
-    if eval_blocks_max is not None and eval_blocks_max < 1:
-        raise DualFlowUserError(f"--eval-blocks must be >= 1, got {eval_blocks_max}")
+    if eval_blocks_max is not None and eval_blocks_max < 0:
+        raise DualFlowUserError(f"--eval-blocks must be >= 0 (0: no NLL before / after), got {eval_blocks_max}")
     if lora and not 0 <= lora_dropout < 1:
         raise DualFlowUserError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
     output_dir = Path(output_dir)
@@ -435,7 +435,9 @@ def finetune(
         train_blocks, eval_blocks = split_blocks(blocks, eval_fraction)
         print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
         measured = eval_blocks[:eval_blocks_max]  # the blocks the NLL before / after training is measured on
-        if len(measured) < len(eval_blocks):
+        if not len(measured):
+            print("eval NLL before / after: not measured (--eval-blocks 0)")
+        elif len(measured) < len(eval_blocks):
             print(f"eval NLL before / after measured on {len(measured)} of the {len(eval_blocks)} eval blocks")
         # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
         source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
@@ -455,30 +457,37 @@ def finetune(
 
         trainer = make_trainer(model, train_blocks, eval_blocks, staging, **training_arguments)
         eval_batch = trainer.args.per_device_eval_batch_size
-        before = flow_nll(trainer.model, measured, eval_batch, progress=True)
-        print(f"eval NLL per token (nats) before: {_format_nll(before)}")
+        before = after = None
+        if len(measured):
+            before = flow_nll(trainer.model, measured, eval_batch, progress=True)
+            print(f"eval NLL per token (nats) before: {_format_nll(before)}")
         print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
         divergence = StopOnNonFiniteLoss()
         trainer.add_callback(divergence)
         trainer.train(resume_from_checkpoint=resume)
         if divergence.diverged_at is not None:
             raise TrainingDiverged(divergence.diverged_at)
-        # Measured as "before" was, in float32: training left `--bf16`'s autocast wrapped around the model's forward.
-        after = flow_nll(
-            trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False),
-            measured,
-            eval_batch,
-            progress=True,
-        )
-        print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
+        if len(measured):
+            # Measured as "before" was, in float32: training left `--bf16`'s autocast wrapped around the forward.
+            after = flow_nll(
+                trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False),
+                measured,
+                eval_batch,
+                progress=True,
+            )
+            print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
 
         model.config.output_router_logits = saved_router_setting
         model.save_pretrained(staging)
         mode = "LoRA" if lora else "aux-only" if aux_only else "full"
-        training = (
-            f"Fine-tuned ({mode}) with `dualflow finetune` on `{', '.join(path.name for path in map(Path, [data_path] if isinstance(data_path, (str, os.PathLike)) else data_path))}`: eval NLL per token (nats) "
-            f"before: {_format_nll(before)}; after: {_format_nll(after)}."
+        data_names = ", ".join(
+            path.name for path in map(Path, [data_path] if isinstance(data_path, (str, os.PathLike)) else data_path)
         )
+        training = f"Fine-tuned ({mode}) with `dualflow finetune` on `{data_names}`"
+        if before is not None:
+            training += f": eval NLL per token (nats) before: {_format_nll(before)}; after: {_format_nll(after)}"
+        training += "."
+
         if lora:
             write_adapter_card(staging, config, str(source), repo_id=str(output_dir), extra=training)
         else:

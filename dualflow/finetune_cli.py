@@ -111,7 +111,7 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
         "--eval_blocks",
         dest="eval_blocks_max",
         type=int,
-        help="measure the eval NLL before / after training on at most this many of the held-out blocks (all)",
+        help="measure the eval NLL before / after training on at most this many of the held-out blocks (all; 0: skip the measurement)",
     )
     parser.add_argument("--lora-r", "--lora_r", type=int, default=16, help="LoRA rank (16)")
     parser.add_argument("--lora-alpha", "--lora_alpha", type=int, default=32, help="LoRA alpha (32)")

@@ -184,9 +184,15 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
     os.umask(umask)
     assert stat.S_IMODE((tmp_path / "full").stat().st_mode) == 0o777 & ~umask  # like mkdir, not mkdtemp's 0700
 
-    aux_argv = ("--data", data, "--output-dir", tmp_path / "aux", "--aux-only", "--eval-blocks", 1)
+    # --eval-blocks 0: no NLL before / after (a user with a big held-out set skips it), none claimed on the card.
+    aux_argv = ("--data", data, "--output-dir", tmp_path / "aux", "--aux-only", "--eval-blocks", 0)
     assert run_finetune(model_dir, *aux_argv, *common) == 0
-    assert "eval NLL before / after measured on 1 of the 19 eval blocks" in capsys.readouterr().out
+    output = capsys.readouterr().out
+    assert "eval NLL before / after: not measured (--eval-blocks 0)" in output and "(nats) before" not in output
+    assert (
+        "Fine-tuned (aux-only) with `dualflow finetune` on `corpus.txt`."
+        in (tmp_path / "aux" / "README.md").read_text()
+    )
     aux_only = AutoModelForCausalLM.from_pretrained(tmp_path / "aux")
     source = AutoModelForCausalLM.from_pretrained(model_dir)
     shared = [name for name, _ in source.named_parameters() if name not in source.aux_parameter_names()]
@@ -224,9 +230,13 @@ def test_finetune_cli_jsonl_lora_bf16(model_dir, tmp_path, capsys, monkeypatch):
         4,
         "--max-steps",
         2,
+        "--eval-blocks",
+        1,
     )
     assert run_finetune(model_dir.name, *argv) == 0
-    assert set(printed_nll(capsys.readouterr().out, "after")) == {"aux flow", "primary flow"}
+    output = capsys.readouterr().out
+    assert "eval NLL before / after measured on 1 of the " in output
+    assert set(printed_nll(output, "after")) == {"aux flow", "primary flow"}
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     # The adapter names its base model by a path that loads from any directory, and has a card of its own.
     adapter_config = json.loads((out / "adapter_config.json").read_text())
@@ -280,6 +290,7 @@ def test_finetune_cli_bad_data_is_one_line_error(model_dir, tmp_path, capsys, na
         (("--lr", -1), "--learning-rate must be > 0, got -1.0"),
         (("--batch-size", 0), "--per-device-train-batch-size must be >= 1, got 0"),
         (("--lora", "--lora-r", 0), "--lora-r must be >= 1, got 0"),
+        (("--eval-blocks", -1), "--eval-blocks must be >= 0 (0: no NLL before / after), got -1"),
         (("--epochs", -1), "--num-train-epochs must be > 0 (or --max-steps given), got -1.0"),  # trained nothing
     ],
 )
