@@ -5,6 +5,9 @@ own parser, which is imported only to run.
 """
 
 import argparse
+import hashlib
+import os
+from importlib import metadata
 from pathlib import Path
 
 from .errors import DualFlowUserError
@@ -37,6 +40,27 @@ def trainer_parser(prog: str):
     return parser
 
 
+def trainer_help(prog: str) -> str:
+    """
+    TrainingArguments' flags as `--help-trainer` prints them. Rendering them imports transformers' trainer and so
+    torch (10 s and more), so the text is cached per transformers and package version.
+    """
+    versions = f"{prog}\0{metadata.version('transformers')}\0{metadata.version('dualflow-transformers')}"
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cached = cache_home / "dualflow" / f"help-trainer-{hashlib.sha256(versions.encode()).hexdigest()[:16]}.txt"
+    if cached.is_file():
+        return cached.read_text(encoding="utf-8")
+    text = trainer_parser(prog).format_help()
+    try:  # an unwritable cache only costs the next call its 10 s
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, cached)
+    except OSError:
+        pass
+    return text
+
+
 class TrainerHelp(argparse.Action):
     """--help-trainer: print every TrainingArguments flag and exit."""
 
@@ -44,7 +68,7 @@ class TrainerHelp(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        trainer_parser(parser.prog).print_help()
+        print(trainer_help(parser.prog), end="")
         parser.exit()
 
 

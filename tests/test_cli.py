@@ -99,6 +99,16 @@ def test_subcommand_help_and_argument_errors_without_heavy_imports():
         assert completed.returncode == 2 and "heavy imports: []" in completed.stderr, name
 
 
+def test_help_trainer_lists_trainer_flags_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = run_cli("finetune", "--help-trainer")
+    assert first.returncode == 0 and "--max_steps" in first.stdout and "--resume_from_checkpoint" in first.stdout
+    assert "torch" in first.stderr  # rendering TrainingArguments' flags imports the trainer
+    assert len(list((tmp_path / "dualflow").iterdir())) == 1
+    second = run_cli("finetune", "--help-trainer")
+    assert second.stdout == first.stdout and second.stderr.strip() == "heavy imports: []"
+
+
 def test_finetune_help_and_errors_are_short():
     completed = run_cli("finetune", "--help")
     assert len(completed.stdout.splitlines()) < 60 and "--help-trainer" in completed.stdout
