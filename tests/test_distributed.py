@@ -122,11 +122,11 @@ def test_full_qk_norm_gathers_attention_projections():
     assert tiny_model(qk_norm="per_head").config.base_model_tp_plan["layers.*.self_attn.q_proj"] == "colwise"
 
 
-def torchrun(script: Path, *args, nproc: int = 2, env=None, timeout: int = 300):
+def torchrun(script: Path, *args, tmp_dir: Path, nproc: int = 2, env=None, timeout: int = 300):
+    """Run `script` under torchrun; its rendezvous and log folders (torchelastic_*) go into `tmp_dir`, not /tmp."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
-    result = subprocess.run(
-        [*command, *map(str, args)], env=env or SUBPROCESS_ENV, capture_output=True, text=True, timeout=timeout
-    )
+    env = dict(env or SUBPROCESS_ENV, TMPDIR=str(tmp_dir))
+    result = subprocess.run([*command, *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 
@@ -141,7 +141,14 @@ def test_fsdp_training_matches_single_process(tmp_path):
     tiny_model(vocab_size=384, aux_num_experts_per_tok=3).save_pretrained(tmp_path / "ckpt")
     # ACCELERATE_USE_CPU: without it accelerate sees no CPU process group and every rank would read the same rows.
     env = dict(SUBPROCESS_ENV, ACCELERATE_USE_CPU="1")
-    torchrun(SCRIPTS / "train_fsdp.py", tmp_path / "ckpt", tmp_path / "fsdp" / "result.json", "--fsdp", env=env)
+    torchrun(
+        SCRIPTS / "train_fsdp.py",
+        tmp_path / "ckpt",
+        tmp_path / "fsdp" / "result.json",
+        "--fsdp",
+        tmp_dir=tmp_path,
+        env=env,
+    )
     reference = subprocess.run(
         [sys.executable, str(SCRIPTS / "train_fsdp.py"), tmp_path / "ckpt", tmp_path / "single" / "result.json"],
         env=env,
@@ -191,7 +198,7 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
     for case in TP_CASES:
         cases.append(dict(case, path=str(tmp_path / case["checkpoint"])))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    torchrun(SCRIPTS / "tp_logits.py", tmp_path / "cases.json", tmp_path / "result.json")
+    torchrun(SCRIPTS / "tp_logits.py", tmp_path / "cases.json", tmp_path / "result.json", tmp_dir=tmp_path)
     results = json.loads((tmp_path / "result.json").read_text())
 
     assert results.keys() == {case["name"] for case in TP_CASES}
