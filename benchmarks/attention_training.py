@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from dualflow.instruments.probes import peak_memory_bytes
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
-from modeling_dualflow.modeling_dualflow import DualFlowQueryHeadGroups
+from modeling_dualflow.attention_dualflow import DualFlowQueryHeadGroups
 
 
 def stacked_mask_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):

@@ -5,13 +5,11 @@ positions), rows `[T:]` are the auxiliary flow at the `P` positions whose next t
 both flows in one call (grouped execution); only the primary rows produce keys/values and enter the cache.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
@@ -19,21 +17,24 @@ from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.models.llama.modeling_llama import (
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    eager_attention_forward,
-    rotate_half,
-)
+from transformers.modeling_utils import PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
-from transformers.utils.generic import is_flash_attention_requested, merge_with_config_defaults
+from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .attention_dualflow import (
+    DualFlowAttention,
+    DualFlowAuxAdapter,
+    DualFlowMasks,
+    DualFlowRMSNorm,
+    add_to_aux_rows,
+    aux_rows_mask,
+)
 from .cache_dualflow import DualFlowCache
 from .configuration_dualflow import DualFlowConfig
 
@@ -45,223 +46,11 @@ from .configuration_dualflow import DualFlowConfig
 # under CACHE_FIELD, `_skip_keys_device_placement` (and the config's `keys_to_ignore_at_inference`) name both, and
 # `create_causal_mask` gets the cache by position.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-# transformers has no public way to ask which outputs the running `capture_outputs` call records. Recorded hidden
-# states and attention weights must be tensors of the graph (`retain_grad` on them gets a gradient), which costs a
-# split per layer that only recording needs, so the model asks the private collector (the same in 5.19 .. 5.24) and,
-# with aux rows, swaps each recorded stacked hidden state in the collector's list for its two flows' rows
-# (`DualFlowModel._stacked_forward`). If a later version renames the collector, the import fails softly: outputs are
-# still recorded, as views of the stacked rows.
-try:
-    from transformers.utils.output_capturing import _active_collector as _output_collector
-except ImportError:  # pragma: no cover - depends on the installed transformers
-    _output_collector = None
-
-
-def recorded_outputs() -> dict:
-    """The outputs the running `capture_outputs` call records (keys such as "hidden_states"); {} when none or unknown."""
-    return (_output_collector.get() if _output_collector is not None else None) or {}
-
-
 # -----------------------------------------------------------------------------------------------------------------------
-
-
-class DualFlowRMSNorm(LlamaRMSNorm):
-    pass
 
 
 class DualFlowRotaryEmbedding(LlamaRotaryEmbedding):
     pass
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, rows, head_dim); cos/sin: (batch, rows, head_dim)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
-
-
-class DualFlowAuxAdapter(nn.Module):
-    """
-    Low-rank delta `x -> up(down(x))` that the aux rows add to the output of a shared weight (`aux_adapter_rank`):
-    capacity of the aux flow's own, while primary rows never see it. `up` starts at zero (so does the delta).
-    """
-
-    def __init__(self, in_features: int, out_features: int, rank: int):
-        super().__init__()
-        self.down = nn.Parameter(torch.empty(rank, in_features))
-        self.up = nn.Parameter(torch.zeros(out_features, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.down), self.up)
-
-
-def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlowAuxAdapter | None, num_primary: int):
-    """`output` (batch, rows, out) with `adapter(inputs)` added to its aux rows (>= num_primary); primary rows untouched."""
-    if adapter is None or output.shape[1] == num_primary:
-        return output
-    aux_output = output[:, num_primary:] + adapter(inputs[:, num_primary:])
-    return torch.cat([output[:, :num_primary], aux_output], dim=1) if num_primary else aux_output
-
-
-class DualFlowQueryHeadGroups(nn.Module):
-    """
-    The module the attention functions get for a call whose query heads are grouped `num_key_value_groups` to a
-    key/value head. The layer's attention attends for both flows in one call by giving each key/value head its primary
-    query heads, then as many aux heads: twice its own group. Eager, sdpa and flex get this module for that call (eager
-    and sdpa read the group from it for repeat_kv); flash, which takes the group from the shapes and its dtype from the
-    layer's weights, gets the layer's attention. It holds no weights.
-    """
-
-    def __init__(self, config: DualFlowConfig, layer_idx: int, num_key_value_groups: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.num_key_value_groups = num_key_value_groups
-        self.is_causal = True
-
-
-class DualFlowAttention(nn.Module):
-    """Self-attention whose queries are [primary rows; aux rows] and whose keys/values come from primary rows only."""
-
-    def __init__(self, config: DualFlowConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim**-0.5
-        self.attention_dropout = config.attention_dropout
-        self.is_causal = True
-        self.sliding_window = config.sliding_window
-        # both flows in one call: per key/value head its primary query heads, then as many aux heads
-        self.both_flows_heads = DualFlowQueryHeadGroups(config, layer_idx, 2 * self.num_key_value_groups)
-        q_dim = config.num_attention_heads * self.head_dim
-        kv_dim = config.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
-        # Qwen3 normalises each head, OLMoE the whole projection, the others neither.
-        if config.qk_norm == "per_head":
-            self.q_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        elif config.qk_norm == "full":
-            self.q_norm = DualFlowRMSNorm(q_dim, eps=config.rms_norm_eps)
-            self.k_norm = DualFlowRMSNorm(kv_dim, eps=config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        if config.aux_adapter_rank:
-            self.aux_q_adapter = DualFlowAuxAdapter(config.hidden_size, q_dim, config.aux_adapter_rank)
-            self.aux_o_adapter = DualFlowAuxAdapter(q_dim, config.hidden_size, config.aux_adapter_rank)
-        else:
-            self.aux_q_adapter = self.aux_o_adapter = None
-
-    def _project(self, hidden_states, proj, norm, num_primary=0, aux_adapter=None):
-        states = add_to_aux_rows(proj(hidden_states), hidden_states, aux_adapter, num_primary)
-        if self.config.qk_norm == "full" and norm is not None:
-            states = norm(states)
-        if self.config.clip_qkv is not None:
-            states = states.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
-        states = states.view(*hidden_states.shape[:-1], -1, self.head_dim)
-        if self.config.qk_norm == "per_head" and norm is not None:
-            states = norm(states)
-        return states.transpose(1, 2)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        num_primary: int,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        is_causal: bool | None = None,
-        aux_attention_mask: torch.Tensor | None = None,
-        aux_is_causal: bool | None = None,
-        aux_as_query_heads: bool = True,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        primary_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
-        """
-        hidden_states: (batch, T + P, hidden), already normed. `attention_mask` / `is_causal` are the primary rows'.
-        Aux rows at the primary rows' positions (`aux_as_query_heads`, P = T: training, scoring, decode) attend in the
-        same call as extra query heads; other aux rows (prefill with `logits_to_keep`) in a second call with
-        `aux_attention_mask` / `aux_is_causal`. Given `primary_key_values` (an extra aux round), the rows are aux rows
-        only (num_primary = 0, their mask in `attention_mask`) and attend to those keys/values: nothing is projected or
-        cached. `position_ids` go to the calls whose query rows are the primary positions (flash finds packed sequences
-        from them).
-        """
-        query_states = self._project(hidden_states, self.q_proj, self.q_norm, num_primary, self.aux_q_adapter)
-        cos, sin = position_embeddings
-        query_states = apply_rotary(query_states, cos, sin)
-
-        if primary_key_values is None:
-            primary = hidden_states[:, :num_primary]
-            key_states = self._project(primary, self.k_proj, self.k_norm)
-            value_states = self._project(primary, self.v_proj, None)
-            key_states = apply_rotary(key_states, cos[:, :num_primary], sin[:, :num_primary])
-            if cache is not None:
-                key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-        else:
-            key_states, value_states = primary_key_values
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-
-        def attend(module, query, mask, causal, positions):
-            return attention_interface(
-                module,
-                query,
-                key_states,
-                value_states,
-                mask,
-                dropout=0.0 if not self.training else self.attention_dropout,
-                scaling=self.scaling,
-                sliding_window=self.sliding_window,
-                is_causal=causal,
-                position_ids=positions,
-                **kwargs,
-            )
-
-        num_rows = hidden_states.shape[1]
-        # Recorded attention weights (eager) must be each flow's own tensor of the graph: a call per flow then.
-        records_weights = self.config._attn_implementation == "eager" and "attentions" in recorded_outputs()
-        if num_primary in (0, num_rows):  # one flow's rows only
-            attn_output, attn_weights = attend(self, query_states, attention_mask, is_causal, position_ids)
-        elif aux_as_query_heads and not records_weights:
-            # (batch, heads, 2T, d) -> (batch, 2 * heads, T, d): per key/value head its primary query heads, then as
-            # many aux heads, so the GQA head order of every backend (head h reads key/value head h // group) holds.
-            batch, num_heads, _, head_dim = query_states.shape
-            num_kv_heads, group = num_heads // self.num_key_value_groups, self.num_key_value_groups
-            query_states = query_states.reshape(batch, num_kv_heads, group, 2, num_primary, head_dim)
-            query_states = query_states.transpose(2, 3).reshape(batch, 2 * num_heads, num_primary, head_dim)
-            # flash kernels group heads by the shapes, and flash reads its dtype from this layer's weights
-            heads = self if is_flash_attention_requested(self.config) else self.both_flows_heads
-            attn_output, attn_weights = attend(heads, query_states, attention_mask, is_causal, position_ids)
-            # (batch, T, 2 * heads, d) -> (batch, 2T, heads * d): back to [primary rows; aux rows]
-            attn_output = attn_output.reshape(batch, num_primary, num_kv_heads, 2, group, head_dim)
-            attn_output = attn_output.permute(0, 3, 1, 2, 4, 5)
-            if attn_weights is not None:  # (batch, 2 * heads, T, keys) -> (batch, heads, 2T, keys)
-                attn_weights = attn_weights.reshape(batch, num_kv_heads, 2, group, num_primary, -1)
-                attn_weights = attn_weights.transpose(2, 3).reshape(batch, num_heads, num_rows, -1)
-        else:
-            if aux_as_query_heads:  # aux rows at the primary positions: the primary rows' mask
-                aux_attention_mask, aux_is_causal, aux_position_ids = attention_mask, is_causal, position_ids
-            else:
-                aux_position_ids = None
-            primary_output, primary_weights = attend(
-                self, query_states[:, :, :num_primary], attention_mask, is_causal, position_ids
-            )
-            aux_output, aux_weights = attend(
-                self, query_states[:, :, num_primary:], aux_attention_mask, aux_is_causal, aux_position_ids
-            )
-            attn_output = torch.cat([primary_output, aux_output], dim=1)
-            # (primary, aux) weights, each as the call returned it: split_rows keeps such pairs as they are
-            attn_weights = None if primary_weights is None else (primary_weights, aux_weights)
-        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
-        attn_output = add_to_aux_rows(self.o_proj(attn_output), attn_output, self.aux_o_adapter, num_primary)
-        return attn_output, attn_weights, (key_states, value_states)
 
 
 class DualFlowMLP(Qwen2MoeMLP):
@@ -438,23 +227,18 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         *,
         num_primary: int,
         aux_positions: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
+        masks: DualFlowMasks,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        is_causal: bool | None = None,
-        aux_attention_mask: torch.Tensor | None = None,
-        aux_is_causal: bool | None = None,
-        aux_as_query_heads: bool = True,
-        position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         aux_top_k: int | None = None,
+        output_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple:
         """
         First round: hidden_states = (batch, T + P, hidden) = [primary rows; aux rows]. An extra aux round passes the P
         aux rows alone, with `primary_entering` (the primary state that entered this layer at the aux positions) and
         this layer's primary keys/values from the first round (positional, so reentrant checkpointing sees them).
-        Returns the layer output and the primary keys/values its attention used. The mask arguments: see
-        `DualFlowAttention.forward`.
+        Returns the layer output, the primary keys/values its attention used and the (primary, aux) attention weights.
         """
         extra_round = primary_keys is not None
         layer_input = hidden_states
@@ -464,18 +248,14 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
             hidden_states = hidden_states.index_add(1, aux_rows, self.aux_coupling(coupling_source))
 
         residual = hidden_states
-        hidden_states, _, key_values = self.self_attn(
+        hidden_states, attn_weights, (keys, values) = self.self_attn(
             self.input_layernorm(hidden_states),
-            num_primary=num_primary,
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            is_causal=is_causal,
-            aux_attention_mask=aux_attention_mask,
-            aux_is_causal=aux_is_causal,
-            aux_as_query_heads=aux_as_query_heads,
-            position_ids=position_ids,
+            num_primary,
+            position_embeddings,
+            masks,
             cache=cache,
             primary_key_values=(primary_keys, primary_values) if extra_round else None,
+            output_attentions=output_attentions,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -486,7 +266,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         hidden_states = residual + add_to_aux_rows(hidden_states, mlp_input, self.aux_mlp_adapter, num_primary)
         if extra_round:
             hidden_states = layer_input + self.aux_round_gate(hidden_states - layer_input)
-        return hidden_states, *key_values
+        return hidden_states, keys, values, *attn_weights
 
 
 @dataclass
@@ -531,27 +311,6 @@ class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     aux_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
-def split_rows(per_layer: tuple | None, num_primary: int, dim: int) -> tuple[tuple | None, tuple | None]:
-    """
-    Split each layer's stacked `[primary; aux]` rows along `dim`; entries recorded as a (primary, aux) pair already
-    stay as they are, as do `None` entries (unselected layers). Without aux rows the primary part is the entry itself.
-    """
-    if per_layer is None:
-        return None, None
-
-    def split(x):
-        if x is None:
-            return None, None
-        if isinstance(x, tuple):  # recorded per flow already
-            return x
-        if x.shape[dim] == num_primary:  # no aux rows: the recorded tensor itself
-            return x, x.narrow(dim, num_primary, 0)
-        return x.narrow(dim, 0, num_primary), x.narrow(dim, num_primary, x.shape[dim] - num_primary)
-
-    primary, aux = zip(*map(split, per_layer)) if per_layer else ((), ())
-    return tuple(primary), tuple(aux)
-
-
 class DualFlowPreTrainedModel(PreTrainedModel):
     config: DualFlowConfig
     config_class = DualFlowConfig
@@ -569,12 +328,9 @@ class DualFlowPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
     # Both flows, both expert fan-outs and a static cache trace into one graph.
     _can_compile_fullgraph = True
-    # Recorded over the stacked rows; `DualFlowModel.forward` splits them into the primary and the aux flow's fields.
-    _can_record_outputs = {
-        "router_logits": OutputRecorder(DualFlowRouter, index=0),
-        "hidden_states": DualFlowDecoderLayer,
-        "attentions": OutputRecorder(DualFlowAttention, index=1),
-    }
+    # transformers' recorder takes the router logits over the stacked rows (`DualFlowModel.forward` splits them per
+    # flow); hidden states and attentions, each flow's apart, are recorded by the model's own layer loop.
+    _can_record_outputs = {"router_logits": OutputRecorder(DualFlowRouter, index=0)}
 
     def _grouped_mm_can_dispatch(self) -> bool:
         # The default experts kernel: a dense config has no experts to run with it (transformers then keeps "eager").
@@ -654,81 +410,27 @@ class DualFlowModel(DualFlowPreTrainedModel):
                     "(batch, past + new tokens)"
                 )
 
-    def _aux_attention_mask(self, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length):
-        """
-        Mask and is_causal flag of the aux rows when they sit at other positions than the primary rows (prefill or
-        scoring with `logits_to_keep`): each aux row gets its position's primary mask row (padding, window), in the form
-        the backend takes. `last_positions`: the aux rows are the last P positions, in order.
-        """
-        num_aux = aux_positions.shape[0]
-        if isinstance(primary_mask, BlockMask):  # flex: the primary mask function, its query index mapped to positions
-            primary_mask_mod = primary_mask.mask_mod
-
-            def aux_mask_mod(batch_idx, head_idx, q_idx, kv_idx):
-                return primary_mask_mod(batch_idx, head_idx, aux_positions[q_idx], kv_idx)
-
-            batch_size, kv_length = primary_mask.kv_num_blocks.shape[0], primary_mask.seq_lengths[1]
-            return create_block_mask(aux_mask_mod, batch_size, None, num_aux, kv_length, aux_positions.device), None
-        if is_flash_attention_requested(self.config):
-            # flash takes a 2-D padding mask (or none) and aligns causal attention bottom-right: exactly the mask rows
-            # of the last P positions; other positions have no such form.
-            if not last_positions:
-                raise ValueError(
-                    "flash attention runs the aux flow at the last k positions: pass logits_to_keep as an int, or use "
-                    'attn_implementation="sdpa", "eager" or "flex_attention" for a tensor of positions'
-                )
-            return primary_mask, True
-        if primary_mask is not None:  # eager / sdpa: the (batch, 1, P, keys) rows of the dense mask
-            return primary_mask[:, :, aux_positions], None
-        # sdpa skipped the mask: causal, no padding, no window in reach. kv_length > past + T for a static cache: its
-        # empty slots must stay masked.
-        if last_positions and num_aux == 1 and kv_length == past_length + num_primary:
-            return None, False  # the last position sees every key
-        query_positions = aux_positions + past_length
-        mask = torch.arange(kv_length, device=aux_positions.device)[None, :] <= query_positions[:, None]
-        return mask[None, None], None
-
-    # Per-layer outputs (hidden_states, attentions, router_logits) describe the first round. A nested `capture_outputs`
-    # call, given every `output_*` flag off, records nothing while it runs (its collector stands in for the outer one,
-    # as for the sub-models of transformers' composite models): the caller passes those flags.
-    @capture_outputs
-    def _extra_aux_rounds(
-        self,
-        aux_states,
-        first_round,
-        num_extra,
-        aux_positions,
-        aux_masks,
-        position_embeddings,
-        num_primary,
-        aux_top_k,
-        **kwargs,
-    ):
-        """
-        Aux rounds 2..R: the aux rows alone go through every layer again, coupled to the same primary states and
-        attending to the same primary keys/values (with the same mask rows) as in the first round; nothing is cached.
-        `aux_masks`: the aux rows' (mask, is_causal, position_ids) as the first round's attention saw them.
-        """
-        aux_mask, aux_is_causal, aux_position_ids = aux_masks
-        cos, sin = position_embeddings
-        aux_embeddings = (cos[:, num_primary:], sin[:, num_primary:])
-        for _ in range(num_extra):
-            for decoder_layer, (entering, keys, values) in zip(self.layers, first_round):
-                aux_states, _, _ = decoder_layer(
-                    aux_states,
-                    entering,
-                    keys,
-                    values,
-                    num_primary=0,
-                    aux_positions=aux_positions,
-                    attention_mask=aux_mask,
-                    position_embeddings=aux_embeddings,
-                    is_causal=aux_is_causal,
-                    position_ids=aux_position_ids,
-                    aux_top_k=aux_top_k,
-                    **kwargs,
-                )
-        return aux_states
+    def _aux_settings(self, aux_num_experts_per_tok: int | None, aux_num_rounds: int | None) -> tuple[int, int]:
+        """This call's aux top-k and number of aux rounds, checked."""
+        for name, value in (("aux_num_experts_per_tok", aux_num_experts_per_tok), ("aux_num_rounds", aux_num_rounds)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        aux_top_k = self.config.aux_num_experts_per_tok if aux_num_experts_per_tok is None else aux_num_experts_per_tok
+        if aux_num_experts_per_tok is not None and not self.config.num_experts:
+            raise ValueError("aux_num_experts_per_tok needs a MoE model (num_experts > 0); this model is dense")
+        if self.config.num_experts and not 1 <= aux_top_k <= self.config.num_experts:
+            raise ValueError(
+                f"aux_num_experts_per_tok must be in [1, num_experts={self.config.num_experts}], got {aux_top_k}"
+            )
+        num_rounds = self.config.aux_num_rounds if aux_num_rounds is None else aux_num_rounds
+        if num_rounds < 1:
+            raise ValueError(f"aux_num_rounds must be >= 1, got {num_rounds}")
+        if num_rounds > 1 and self.config.aux_num_rounds == 1:
+            raise ValueError(
+                "aux_num_rounds > 1 needs a model built with aux_num_rounds > 1 (it holds the round gates); "
+                "(a converted model gets them from `dualflow convert --aux-rounds`)"
+            )
+        return aux_top_k, num_rounds
 
     @can_return_tuple
     def forward(
@@ -760,7 +462,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         cache (`Cache`, *optional*):
             `past_key_values` under the name transformers uses from 5.24 on (either works).
         """
-        stacked = self._stacked_forward(
+        outputs = self._stacked_forward(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -774,40 +476,26 @@ class DualFlowModel(DualFlowPreTrainedModel):
             return_dict=True,
             **kwargs,
         )
-        num_primary = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        last_hidden_state, aux_last_hidden_state = stacked.last_hidden_state.split(
-            [num_primary, stacked.last_hidden_state.shape[1] - num_primary], dim=1
-        )
-        hidden_states, aux_hidden_states = split_rows(stacked.hidden_states, num_primary, dim=1)
-        if hidden_states and hidden_states[-1] is not None:
-            # As in transformers' language models, the last entry is the final-normed state.
-            hidden_states = hidden_states[:-1] + (last_hidden_state,)
-            aux_hidden_states = aux_hidden_states[:-1] + (aux_last_hidden_state,)
-        attentions, aux_attentions = split_rows(stacked.attentions, num_primary, dim=2)
-        router_logits = aux_router_logits = None
-        if stacked.router_logits:  # (batch * (T + P), num_experts) per layer; none in a dense model
-            batch_size = last_hidden_state.shape[0]
-            per_row = tuple(layer.view(batch_size, -1, layer.shape[-1]) for layer in stacked.router_logits)
-            router_logits, aux_router_logits = (
-                tuple(layer.reshape(-1, layer.shape[-1]) for layer in flow)
-                for flow in split_rows(per_row, num_primary, dim=1)
-            )
-        if aux_positions is None:
-            aux_last_hidden_state = aux_hidden_states = aux_attentions = aux_router_logits = None
+        router_logits = aux_router_logits = None  # None in a dense model, as transformers' MoE models give them
+        if outputs.router_logits and aux_positions is None:
+            router_logits = outputs.router_logits
+        elif outputs.router_logits:
+            # Recorded per router call over the stacked rows `(batch * (T + P), num_experts)`: the first round's calls
+            # are the model's (extra aux rounds add more), each split into its two flows' rows.
+            batch_size, num_primary = outputs.last_hidden_state.shape[:2]
+            num_aux = outputs.aux_last_hidden_state.shape[1]
+            num_routed = sum(isinstance(layer.mlp, DualFlowSparseMoeBlock) for layer in self.layers)
+            per_flow = []
+            for logits in outputs.router_logits[:num_routed]:
+                flows = logits.view(batch_size, -1, logits.shape[-1]).split([num_primary, num_aux], dim=1)
+                per_flow.append([rows.reshape(-1, logits.shape[-1]) for rows in flows])
+            router_logits, aux_router_logits = flows_of(per_flow)
         return DualFlowModelOutputWithPast(
-            last_hidden_state=last_hidden_state,
-            **{CACHE_FIELD: getattr(stacked, CACHE_FIELD)},
-            hidden_states=hidden_states,
-            attentions=attentions,
-            router_logits=router_logits,
-            aux_last_hidden_state=aux_last_hidden_state,
-            aux_hidden_states=aux_hidden_states,
-            aux_attentions=aux_attentions,
-            aux_router_logits=aux_router_logits,
+            **{**outputs, "router_logits": router_logits, "aux_router_logits": aux_router_logits}
         )
 
     @merge_with_config_defaults
-    @capture_outputs(tie_last_hidden_states=False)
+    @capture_outputs
     def _stacked_forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -820,50 +508,31 @@ class DualFlowModel(DualFlowPreTrainedModel):
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
+        output_hidden_states: bool | int | list[int] | None = None,
+        output_attentions: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
-        """The layers over the stacked rows `[primary (T); aux (P)]`; every recorded output covers both flows."""
+    ) -> DualFlowModelOutputWithPast:
+        """The layers over the stacked rows `[primary (T); aux (P)]`; the router logits recorded cover both flows."""
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_inputs(input_ids, inputs_embeds, aux_inputs_embeds, attention_mask, past_length)
-        for name, value in (("aux_num_experts_per_tok", aux_num_experts_per_tok), ("aux_num_rounds", aux_num_rounds)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-        aux_top_k = self.config.aux_num_experts_per_tok if aux_num_experts_per_tok is None else aux_num_experts_per_tok
-        if aux_num_experts_per_tok is not None and not self.config.num_experts:
-            raise ValueError("aux_num_experts_per_tok needs a MoE model (num_experts > 0); this model is dense")
-        if self.config.num_experts and not 1 <= aux_top_k <= self.config.num_experts:
-            raise ValueError(
-                f"aux_num_experts_per_tok must be in [1, num_experts={self.config.num_experts}], got {aux_top_k}"
-            )
-        num_rounds = self.config.aux_num_rounds if aux_num_rounds is None else aux_num_rounds
-        if num_rounds < 1:
-            raise ValueError(f"aux_num_rounds must be >= 1, got {num_rounds}")
-        if num_rounds > 1 and self.config.aux_num_rounds == 1:
-            raise ValueError(
-                "aux_num_rounds > 1 needs a model built with aux_num_rounds > 1 (it holds the round gates); "
-                "(a converted model gets them from `dualflow convert --aux-rounds`)"
-            )
-
+        aux_top_k, num_rounds = self._aux_settings(aux_num_experts_per_tok, aux_num_rounds)
         if use_cache and cache is None:
             cache = DualFlowCache(config=self.config)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         num_primary = inputs_embeds.shape[1]
-        aux_as_query_heads = last_positions = False
-        if aux_positions is not None:
-            aux_as_query_heads = keeps_every_position(aux_positions, num_primary)
-            last_positions = not isinstance(aux_positions, torch.Tensor)
-            aux_positions = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
         if position_ids is None:
             position_ids = torch.arange(num_primary, device=inputs_embeds.device).unsqueeze(0) + past_length
-
         mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
         # the cache goes by position: its keyword is `cache` from transformers 5.24 on, `past_key_values` before
         primary_mask = mask_function(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
+        masks = DualFlowMasks(primary=(primary_mask, None, position_ids))
 
-        hidden_states = inputs_embeds
-        row_positions = position_ids
+        hidden_states, row_positions = inputs_embeds, position_ids
         if aux_positions is not None:
+            at_every_position = keeps_every_position(aux_positions, num_primary)
+            last_positions = not isinstance(aux_positions, torch.Tensor)
+            aux_positions = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
             if aux_inputs_embeds is not None:
                 aux_embeds = aux_inputs_embeds[:, aux_positions]
             elif input_ids is not None:
@@ -871,68 +540,103 @@ class DualFlowModel(DualFlowPreTrainedModel):
             else:  # no ids to look up: start from the given rows (exact at the upcycling init, E_aux == E)
                 aux_embeds = inputs_embeds[:, aux_positions]
             # `.to`: a device_map may put the two embedding tables on different devices.
-            aux_embeds = aux_embeds.to(inputs_embeds.device)
-            hidden_states = torch.cat([inputs_embeds, aux_embeds], dim=1)
+            hidden_states = torch.cat([inputs_embeds, aux_embeds.to(inputs_embeds.device)], dim=1)
             row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
-        # Aux rows at every position attend in the primary rows' call, as extra query heads over the same keys/values
-        # (same mask, no extra rows); else in a call of their own with their own mask rows.
-        aux_masks = (primary_mask, None, position_ids)
-        if aux_positions is not None and not aux_as_query_heads:
-            kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
-            aux_masks = (
-                *self._aux_attention_mask(
-                    primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length
-                ),
-                None,
-            )
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
+            if not at_every_position:  # aux rows elsewhere attend in a call of their own, with their mask rows
+                kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
+                aux_mask = aux_rows_mask(
+                    self.config, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length
+                )
+                masks = DualFlowMasks(masks.primary, (*aux_mask, None))
+        cos, sin = self.rotary_emb(hidden_states, position_ids=row_positions)
+        layer_kwargs = dict(aux_positions=aux_positions, masks=masks, aux_top_k=aux_top_k, **kwargs)
 
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        selected = selected_states(
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states,
+            len(self.layers) + 1,
+        )
+        all_hidden_states, all_attentions = [], []
         extra_rounds = num_rounds - 1 if aux_positions is not None else 0
         first_round = []  # per layer, for the extra rounds: (primary state entering at aux positions, keys, values)
-        # Recorded hidden states must be tensors of the graph (`retain_grad` on them gets a gradient), not views taken
-        # after the layers ran: with aux rows, each recorded stacked state is swapped for its two flows' rows, and the
-        # layers go on from their concatenation.
-        recorded = recorded_outputs().get("hidden_states") if aux_positions is not None else None
-        first_input = hidden_states
-        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+        for index, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            if selected is not None:
+                hidden_states = record_flows(hidden_states, num_primary, all_hidden_states, index in selected)
             entering = hidden_states[:, aux_positions] if extra_rounds else None
-            hidden_states, keys, values = decoder_layer(
+            hidden_states, keys, values, *attn_weights = decoder_layer(
                 hidden_states,
                 num_primary=num_primary,
-                aux_positions=aux_positions,
-                attention_mask=primary_mask,
-                position_embeddings=position_embeddings,
-                aux_attention_mask=aux_masks[0],
-                aux_is_causal=aux_masks[1],
-                aux_as_query_heads=aux_as_query_heads,
-                position_ids=position_ids,
+                position_embeddings=(cos, sin),
                 cache=cache,
-                aux_top_k=aux_top_k,
-                **kwargs,
+                output_attentions=output_attentions,
+                **layer_kwargs,
             )
-            for index, entry in enumerate(recorded or ()):
-                if entry is first_input:
-                    recorded[index] = (inputs_embeds, aux_embeds)
-                elif entry is hidden_states:
-                    recorded[index] = hidden_states.split([num_primary, hidden_states.shape[1] - num_primary], dim=1)
-                    hidden_states = torch.cat(recorded[index], dim=1)
+            if output_attentions and attn_weights[0] is not None:
+                all_attentions.append(attn_weights)
             if extra_rounds:
                 first_round.append((entering, keys, values))
-        if extra_rounds:
-            aux_states = self._extra_aux_rounds(
-                hidden_states[:, num_primary:],
-                first_round,
-                extra_rounds,
-                aux_positions,
-                aux_masks,
-                position_embeddings,
-                num_primary,
-                aux_top_k,
-                **{**kwargs, **{f"output_{name}": False for name in self._can_record_outputs}, "return_dict": True},
-            )
+        if extra_rounds:  # aux rows alone through the layers again, attending to the same primary keys/values
+            aux_states, aux_embeddings = hidden_states[:, num_primary:], (cos[:, num_primary:], sin[:, num_primary:])
+            for _ in range(extra_rounds):
+                for decoder_layer, layer_state in zip(self.layers, first_round):
+                    aux_states = decoder_layer(
+                        aux_states, *layer_state, num_primary=0, position_embeddings=aux_embeddings, **layer_kwargs
+                    )[0]
             hidden_states = torch.cat([hidden_states[:, :num_primary], aux_states], dim=1)
 
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_FIELD: cache})
+        hidden_states = self.norm(hidden_states)
+        last_hidden_state, aux_last_hidden_state = hidden_states, None
+        if aux_positions is not None:
+            last_hidden_state, aux_last_hidden_state = hidden_states.split(
+                [num_primary, hidden_states.shape[1] - num_primary], dim=1
+            )
+        if selected is not None:  # as in transformers' language models, the last entry is the final-normed state
+            last_selected = len(self.layers) in selected
+            all_hidden_states.append((last_hidden_state, aux_last_hidden_state) if last_selected else (None, None))
+        hidden_states, aux_hidden_states = flows_of(all_hidden_states) if selected is not None else (None, None)
+        attentions, aux_attentions = flows_of(all_attentions) if output_attentions else (None, None)
+        aux_off = aux_positions is None
+        return DualFlowModelOutputWithPast(
+            last_hidden_state=last_hidden_state,
+            **{CACHE_FIELD: cache},
+            hidden_states=hidden_states,
+            attentions=attentions,
+            aux_last_hidden_state=aux_last_hidden_state,
+            aux_hidden_states=None if aux_off else aux_hidden_states,
+            aux_attentions=None if aux_off else aux_attentions,
+        )
+
+
+def selected_states(output_hidden_states: bool | int | list[int] | None, num_states: int) -> set[int] | None:
+    """Indices of the hidden states `output_hidden_states` asks for (a flag, an index or indices, negative ones from
+    the end); None when it asks for none."""
+    if output_hidden_states is None or output_hidden_states is False:
+        return None
+    if output_hidden_states is True:
+        return set(range(num_states))
+    indices = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
+    return {index % num_states for index in indices if -num_states <= index < num_states}
+
+
+def record_flows(states: torch.Tensor, num_primary: int, recorded: list, selected: bool = True) -> torch.Tensor:
+    """
+    Appends the (primary, aux) rows of `states` to `recorded` ((None, None) where not `selected`) as tensors of the
+    graph, so that `retain_grad` on them gets a gradient: the layers go on from their concatenation, which is returned.
+    """
+    if not selected:
+        recorded.append((None, None))
+    elif states.shape[1] == num_primary:  # no aux rows
+        recorded.append((states, None))
+    else:
+        flows = states.split([num_primary, states.shape[1] - num_primary], dim=1)
+        recorded.append(flows)
+        states = torch.cat(flows, dim=1)
+    return states
+
+
+def flows_of(per_layer: list) -> tuple[tuple, tuple]:
+    """Per-layer (primary, aux) pairs as a tuple of each flow's entries."""
+    return tuple(entry[0] for entry in per_layer), tuple(entry[1] for entry in per_layer)
 
 
 def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bool:

@@ -9,7 +9,8 @@ that `dualflow compare` and the benchmarks time is `dualflow/instruments/two_pas
 import torch
 import torch.nn.functional as F
 
-from modeling_dualflow.modeling_dualflow import DualFlowSparseMoeBlock, apply_rotary
+from modeling_dualflow.attention_dualflow import apply_rotary
+from modeling_dualflow.modeling_dualflow import DualFlowSparseMoeBlock
 
 
 def _expert(experts, index, x):

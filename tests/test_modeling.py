@@ -639,7 +639,9 @@ def test_remote_code_round_trip_in_fresh_process(tmp_path):
     model = tiny_model(aux_num_experts_per_tok=3, qk_norm="per_head")
     model.save_pretrained(tmp_path / "ckpt")
     saved = set(os.listdir(tmp_path / "ckpt"))
-    assert {"configuration_dualflow.py", "modeling_dualflow.py", "cache_dualflow.py", "config.json"} <= saved
+    # every file the model file imports, attention_dualflow.py included, travels with the weights
+    assert {*modeling_dualflow.REMOTE_CODE_FILES, "config.json"} <= saved
+    assert "attention_dualflow.py" in modeling_dualflow.REMOTE_CODE_FILES
     auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_dualflow.DualFlowForCausalLM"
     assert auto_map["AutoModel"] == "modeling_dualflow.DualFlowModel"

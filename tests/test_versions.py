@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from helpers import tiny_model
@@ -83,29 +84,19 @@ def test_model_file_speaks_the_cache_name_of_the_installed_transformers():
 
 def test_remote_code_files_use_public_transformers_names_only():
     """
-    The files frozen into every checkpoint import no private transformers name and re-type no object. The one
-    exception, the output collector (no public way tells what `capture_outputs` records), is imported in a `try` whose
-    `except ImportError` keeps the model working if a later transformers renames it.
+    The files frozen into every checkpoint import no private transformers name (no exception, the output collector
+    included: each flow's hidden states and attentions are recorded by the model's own loop) and re-type no object.
     """
     for path in (ROOT / "modeling_dualflow").glob("*.py"):
         tree = ast.parse(path.read_text(), filename=str(path))
-        guarded = set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.Try) and any(
-                isinstance(handler.type, ast.Name) and handler.type.id == "ImportError" for handler in node.handlers
-            ):
-                guarded |= {id(statement) for statement in node.body}
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.ImportFrom)
-                and (node.module or "").startswith("transformers")
-                and id(node) not in guarded
-            ):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("transformers"):
                 private = [alias.name for alias in node.names if alias.name.startswith("_")]
                 assert not private and "._" not in node.module, (path.name, node.module, private)
             if isinstance(node, ast.Assign):
                 targets = [t for t in node.targets if isinstance(t, ast.Attribute) and t.attr == "__class__"]
                 assert not targets, (path.name, node.lineno)
+        assert "_active_collector" not in path.read_text(), path.name
 
 
 # transformers' private names the remote code still touches, each with why. Hooks in-tree models override or read:
@@ -114,7 +105,6 @@ PRIVATE_TRANSFORMERS_NAMES = {
     "_init_weights": "PreTrainedModel's weight-init hook every model overrides",
     "_prepare_cache_for_generation": "the hook in-tree models override to choose their cache (t5gemma)",
     "_grouped_mm_can_dispatch": "refuses an experts kernel on a dense model (tests/test_model_api.py)",
-    "_active_collector": "the output collector (no public way tells what capture_outputs records): still to remove",
 }
 # Other models' helpers the remote code imports (their classes are reused as-is; the helpers are still to write out).
 OTHER_MODELS_HELPERS = {
@@ -160,14 +150,29 @@ def test_remote_code_touches_only_the_listed_private_names_and_helpers():
     assert helpers == OTHER_MODELS_HELPERS
 
 
-def test_recorded_outputs_sees_what_capture_outputs_records():
-    """The compatibility section's window on the private collector works on the installed transformers."""
-    assert modeling_dualflow.modeling_dualflow._output_collector is not None
+@pytest.mark.parametrize("logits_to_keep", [0, 2])
+def test_recorded_outputs_of_both_flows_get_gradients(logits_to_keep):
+    """
+    transformers' test_retain_grad_hidden_states_attentions for each flow: what forward returns as hidden states and
+    attentions are tensors of the graph, with the aux rows as extra query heads (every position) or in a call of their
+    own (`logits_to_keep`), recorded without transformers' private output collector.
+    """
     model = tiny_model(attn_implementation="eager")
-    outputs = model(torch.tensor([[3, 4, 5]]), output_hidden_states=True, output_attentions=True)
-    outputs.loss = outputs.logits.sum()
-    outputs.hidden_states[0].retain_grad()
-    outputs.attentions[0].retain_grad()
-    outputs.loss.backward()
-    assert outputs.hidden_states[0].grad is not None and outputs.attentions[0].grad is not None
-    assert modeling_dualflow.modeling_dualflow.recorded_outputs() == {}  # nothing recorded outside a forward
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.aux_coupling.weight.normal_()  # the aux rows read the primary states
+    outputs = model(
+        torch.tensor([[3, 4, 5, 6]]), logits_to_keep=logits_to_keep, output_hidden_states=True, output_attentions=True
+    )
+    recorded = [
+        *outputs.hidden_states,
+        *outputs.attentions,
+        *outputs.aux_hidden_states,
+        *outputs.aux_attentions,
+    ]
+    assert len(recorded) == 2 * (3 + 2)
+    for tensor in recorded:
+        tensor.retain_grad()
+    outputs.logits.sum().backward()
+    assert all(tensor.grad is not None for tensor in recorded)
+    assert not hasattr(modeling_dualflow.modeling_dualflow, "recorded_outputs")

@@ -12,7 +12,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from modeling_dualflow import DualFlowCache
-from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowSparseMoeBlock, apply_rotary
+from modeling_dualflow.attention_dualflow import apply_rotary
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowSparseMoeBlock
 
 
 class TwoPassDualFlow(nn.Module):

@@ -1,0 +1,244 @@
+"""Attention of a Dual-Flow layer: queries of both flows in one call against the keys/values of the primary rows."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attention_forward, rotate_half
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+from transformers.utils.generic import is_flash_attention_requested
+
+
+class DualFlowRMSNorm(LlamaRMSNorm):
+    pass
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, rows, head_dim); cos/sin: (batch, rows, head_dim)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DualFlowAuxAdapter(nn.Module):
+    """
+    Low-rank delta `x -> up(down(x))` that the aux rows add to the output of a shared weight (`aux_adapter_rank`):
+    capacity of the aux flow's own, while primary rows never see it. `up` starts at zero (so does the delta).
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int):
+        super().__init__()
+        self.down = nn.Parameter(torch.empty(rank, in_features))
+        self.up = nn.Parameter(torch.zeros(out_features, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.down), self.up)
+
+
+def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlowAuxAdapter | None, num_primary: int):
+    """`output` (batch, rows, out) with `adapter(inputs)` added to its aux rows (>= num_primary); primary rows untouched."""
+    if adapter is None or output.shape[1] == num_primary:
+        return output
+    aux_output = output[:, num_primary:] + adapter(inputs[:, num_primary:])
+    return torch.cat([output[:, :num_primary], aux_output], dim=1) if num_primary else aux_output
+
+
+@dataclass(frozen=True)
+class DualFlowMasks:
+    """
+    How the rows of a layer attend, as `(mask, is_causal, position_ids)` per flow (flash finds packed sequences from
+    the position ids). `aux` is None where the aux rows sit at the primary rows' positions (training, scoring, decode):
+    they then attend in the primary rows' call, as extra query heads over the same keys/values.
+    """
+
+    primary: tuple
+    aux: tuple | None = None
+
+    @property
+    def aux_rows(self) -> tuple:
+        return self.primary if self.aux is None else self.aux
+
+
+def aux_rows_mask(config, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length):
+    """
+    Mask and is_causal flag of aux rows at other positions than the primary rows (prefill or scoring with
+    `logits_to_keep`): each aux row gets its position's primary mask row (padding, window), in the form the backend
+    takes. `last_positions`: the aux rows are the last P positions, in order.
+    """
+    num_aux = aux_positions.shape[0]
+    if isinstance(primary_mask, BlockMask):  # flex: the primary mask function, its query index mapped to positions
+        primary_mask_mod = primary_mask.mask_mod
+
+        def aux_mask_mod(batch_idx, head_idx, q_idx, kv_idx):
+            return primary_mask_mod(batch_idx, head_idx, aux_positions[q_idx], kv_idx)
+
+        batch_size, kv_length = primary_mask.kv_num_blocks.shape[0], primary_mask.seq_lengths[1]
+        return create_block_mask(aux_mask_mod, batch_size, None, num_aux, kv_length, aux_positions.device), None
+    if is_flash_attention_requested(config):
+        # flash takes a 2-D padding mask (or none) and aligns causal attention bottom-right: exactly the mask rows of
+        # the last P positions; other positions have no such form.
+        if not last_positions:
+            raise ValueError(
+                "flash attention runs the aux flow at the last k positions: pass logits_to_keep as an int, or use "
+                'attn_implementation="sdpa", "eager" or "flex_attention" for a tensor of positions'
+            )
+        return primary_mask, True
+    if primary_mask is not None:  # eager / sdpa: the (batch, 1, P, keys) rows of the dense mask
+        return primary_mask[:, :, aux_positions], None
+    # sdpa skipped the mask: causal, no padding, no window in reach. kv_length > past + T for a static cache: its empty
+    # slots must stay masked.
+    if last_positions and num_aux == 1 and kv_length == past_length + num_primary:
+        return None, False  # the last position sees every key
+    query_positions = aux_positions + past_length
+    mask = torch.arange(kv_length, device=aux_positions.device)[None, :] <= query_positions[:, None]
+    return mask[None, None], None
+
+
+class DualFlowQueryHeadGroups(nn.Module):
+    """
+    The module the attention functions get for a call whose query heads are grouped `num_key_value_groups` to a
+    key/value head. The layer's attention attends for both flows in one call by giving each key/value head its primary
+    query heads, then as many aux heads: twice its own group. Eager, sdpa and flex get this module for that call (eager
+    and sdpa read the group from it for repeat_kv); flash, which takes the group from the shapes and its dtype from the
+    layer's weights, gets the layer's attention. It holds no weights.
+    """
+
+    def __init__(self, config, layer_idx: int, num_key_value_groups: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_key_value_groups = num_key_value_groups
+        self.is_causal = True
+
+
+class DualFlowAttention(nn.Module):
+    """Self-attention whose queries are [primary rows; aux rows] and whose keys/values come from primary rows only."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.sliding_window = config.sliding_window
+        # both flows in one call: per key/value head its primary query heads, then as many aux heads
+        self.both_flows_heads = DualFlowQueryHeadGroups(config, layer_idx, 2 * self.num_key_value_groups)
+        q_dim = config.num_attention_heads * self.head_dim
+        kv_dim = config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
+        # Qwen3 normalises each head, OLMoE the whole projection, the others neither.
+        if config.qk_norm == "per_head":
+            self.q_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        elif config.qk_norm == "full":
+            self.q_norm = DualFlowRMSNorm(q_dim, eps=config.rms_norm_eps)
+            self.k_norm = DualFlowRMSNorm(kv_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        if config.aux_adapter_rank:
+            self.aux_q_adapter = DualFlowAuxAdapter(config.hidden_size, q_dim, config.aux_adapter_rank)
+            self.aux_o_adapter = DualFlowAuxAdapter(q_dim, config.hidden_size, config.aux_adapter_rank)
+        else:
+            self.aux_q_adapter = self.aux_o_adapter = None
+
+    def _project(self, hidden_states, proj, norm, num_primary=0, aux_adapter=None):
+        states = add_to_aux_rows(proj(hidden_states), hidden_states, aux_adapter, num_primary)
+        if self.config.qk_norm == "full" and norm is not None:
+            states = norm(states)
+        if self.config.clip_qkv is not None:
+            states = states.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
+        states = states.view(*hidden_states.shape[:-1], -1, self.head_dim)
+        if self.config.qk_norm == "per_head" and norm is not None:
+            states = norm(states)
+        return states.transpose(1, 2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        num_primary: int,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        masks: DualFlowMasks,
+        cache: Cache | None = None,
+        primary_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
+        output_attentions: bool = False,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, tuple, tuple[torch.Tensor, torch.Tensor]]:
+        """
+        hidden_states: (batch, T + P, hidden), already normed. Given `primary_key_values` (an extra aux round), the rows
+        are aux rows only (num_primary = 0) and attend to those keys/values: nothing is projected or cached. Returns the
+        output, the (primary, aux) attention weights (each None unless `output_attentions` and the backend gives them)
+        and the keys/values attended to.
+        """
+        cos, sin = position_embeddings
+        query_states = self._project(hidden_states, self.q_proj, self.q_norm, num_primary, self.aux_q_adapter)
+        query_states = apply_rotary(query_states, cos, sin)
+        if primary_key_values is None:
+            primary = hidden_states[:, :num_primary]
+            key_states = self._project(primary, self.k_proj, self.k_norm)
+            key_states = apply_rotary(key_states, cos[:, :num_primary], sin[:, :num_primary])
+            value_states = self._project(primary, self.v_proj, None)
+            if cache is not None:
+                key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        else:
+            key_states, value_states = primary_key_values
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+
+        def attend(module, query, flow_masks):
+            mask, is_causal, position_ids = flow_masks
+            return attention_interface(
+                module,
+                query,
+                key_states,
+                value_states,
+                mask,
+                dropout=0.0 if not self.training else self.attention_dropout,
+                scaling=self.scaling,
+                sliding_window=self.sliding_window,
+                is_causal=is_causal,
+                position_ids=position_ids,
+                **kwargs,
+            )
+
+        num_aux = hidden_states.shape[1] - num_primary
+        attn_weights = (None, None)
+        if num_aux == 0 or num_primary == 0:  # one flow's rows only
+            attn_output, weights = attend(self, query_states, masks.primary if num_aux == 0 else masks.aux_rows)
+            attn_weights = (weights, None) if num_aux == 0 else (None, weights)
+        elif masks.aux is None and not output_attentions:
+            attn_output = self._attend_as_query_heads(attend, query_states, num_primary, masks.primary)
+        else:  # a call per flow; asked for weights, each flow's are then the tensors its output was computed from
+            primary_output, primary_weights = attend(self, query_states[:, :, :num_primary], masks.primary)
+            aux_output, aux_weights = attend(self, query_states[:, :, num_primary:], masks.aux_rows)
+            attn_output = torch.cat([primary_output, aux_output], dim=1)
+            attn_weights = (primary_weights, aux_weights)
+        attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        attn_output = add_to_aux_rows(self.o_proj(attn_output), attn_output, self.aux_o_adapter, num_primary)
+        return attn_output, attn_weights, (key_states, value_states)
+
+    def _attend_as_query_heads(self, attend, query_states, num_primary, flow_masks):
+        """Aux rows at the primary positions: one call in which each key/value head gets its aux heads after its
+        primary ones, so the GQA head order of every backend (head h reads key/value head h // group) holds."""
+        batch, num_heads, _, head_dim = query_states.shape
+        num_kv_heads, group = num_heads // self.num_key_value_groups, self.num_key_value_groups
+        # (batch, heads, 2T, d) -> (batch, 2 * heads, T, d)
+        query_states = query_states.reshape(batch, num_kv_heads, group, 2, num_primary, head_dim)
+        query_states = query_states.transpose(2, 3).reshape(batch, 2 * num_heads, num_primary, head_dim)
+        # flash kernels group heads by the shapes, and flash reads its dtype from this layer's weights
+        heads = self if is_flash_attention_requested(self.config) else self.both_flows_heads
+        attn_output, _ = attend(heads, query_states, flow_masks)
+        # (batch, T, 2 * heads, d) -> (batch, 2T, heads, d): back to [primary rows; aux rows]
+        attn_output = attn_output.reshape(batch, num_primary, num_kv_heads, 2, group, head_dim)
+        return attn_output.permute(0, 3, 1, 2, 4, 5)
