@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
+from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
@@ -21,9 +22,8 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, output_capturing
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -46,6 +46,27 @@ from .configuration_dualflow import DualFlowConfig
 # under CACHE_FIELD, `_skip_keys_device_placement` (and the config's `keys_to_ignore_at_inference`) name both, and
 # `create_causal_mask` gets the cache by position.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+# `output_hidden_states` may select hidden states, read differently across the range: 5.24 takes positions among all
+# of them (the input state first, negative ones from the end, an int for one), earlier versions a list of positions
+# among the layers' outputs (no input state; anything else as a flag). The model selects as Qwen3-MoE does.
+SELECTS_AMONG_ALL_STATES = hasattr(output_capturing, "resolve_hidden_states_indices")
+
+
+def hidden_states_to_return(output_hidden_states, num_layers: int) -> tuple[set[int] | None, bool]:
+    """
+    The hidden states `output_hidden_states` asks for, as positions 0..num_layers (0: the input state, i: the output
+    of layer i - 1), None for none; and whether the returned tuple has an entry for the input state.
+    """
+    num_states = num_layers + 1
+    if SELECTS_AMONG_ALL_STATES and not isinstance(output_hidden_states, (bool, type(None))):
+        indices = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
+        return {index % num_states for index in indices if -num_states <= index < num_states}, True
+    if isinstance(output_hidden_states, (list, tuple, set)):
+        return {index + 1 for index in output_hidden_states if 0 <= index < num_layers}, False
+    return (set(range(num_states)) if output_hidden_states else None), True
+
+
 # -----------------------------------------------------------------------------------------------------------------------
 
 
@@ -64,12 +85,33 @@ class DualFlowMLP(Qwen2MoeMLP):
 
 
 @use_experts_implementation
-class DualFlowExperts(Qwen3MoeExperts):
+class DualFlowExperts(nn.Module):
     """
-    Routed experts stored fused, exactly transformers' Qwen3-MoE experts (so experts kernels and PEFT
-    target_parameters apply). Declared here with the decorator because transformers picks the default experts kernel
-    (grouped_mm) by finding `@use_experts_implementation` in the model file's own source.
+    Routed experts stored fused, in transformers' layout: `gate_up_proj` (experts, 2 * intermediate, hidden), gate rows
+    first, and `down_proj` (experts, hidden, intermediate). The decorator gives them transformers' experts kernels
+    (grouped_mm by default, batched_mm, eager: the loop below) and PEFT's target_parameters apply to both tensors.
     """
+
+    def __init__(self, config: DualFlowConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_dim = config.hidden_size
+        self.intermediate_dim = config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        output = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            experts_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in experts_hit[:, 0]:
+            slot, token_idx = torch.where(expert_mask[expert_idx])
+            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+            expert_output = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
+            output.index_add_(0, token_idx, (expert_output * top_k_weights[token_idx, slot, None]).to(output.dtype))
+        return output
 
 
 def route_two_top_k(
@@ -552,10 +594,10 @@ class DualFlowModel(DualFlowPreTrainedModel):
         layer_kwargs = dict(aux_positions=aux_positions, masks=masks, aux_top_k=aux_top_k, **kwargs)
 
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        selected = selected_states(
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states,
-            len(self.layers) + 1,
+        output_hidden_states = (
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
+        selected, input_state_returned = hidden_states_to_return(output_hidden_states, len(self.layers))
         all_hidden_states, all_attentions = [], []
         extra_rounds = num_rounds - 1 if aux_positions is not None else 0
         first_round = []  # per layer, for the extra rounds: (primary state entering at aux positions, keys, values)
@@ -593,6 +635,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         if selected is not None:  # as in transformers' language models, the last entry is the final-normed state
             last_selected = len(self.layers) in selected
             all_hidden_states.append((last_hidden_state, aux_last_hidden_state) if last_selected else (None, None))
+            all_hidden_states = all_hidden_states[0 if input_state_returned else 1 :]
         hidden_states, aux_hidden_states = flows_of(all_hidden_states) if selected is not None else (None, None)
         attentions, aux_attentions = flows_of(all_attentions) if output_attentions else (None, None)
         aux_off = aux_positions is None
@@ -605,17 +648,6 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_hidden_states=None if aux_off else aux_hidden_states,
             aux_attentions=None if aux_off else aux_attentions,
         )
-
-
-def selected_states(output_hidden_states: bool | int | list[int] | None, num_states: int) -> set[int] | None:
-    """Indices of the hidden states `output_hidden_states` asks for (a flag, an index or indices, negative ones from
-    the end); None when it asks for none."""
-    if output_hidden_states is None or output_hidden_states is False:
-        return None
-    if output_hidden_states is True:
-        return set(range(num_states))
-    indices = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
-    return {index % num_states for index in indices if -num_states <= index < num_states}
 
 
 def record_flows(states: torch.Tensor, num_primary: int, recorded: list, selected: bool = True) -> torch.Tensor:

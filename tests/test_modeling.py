@@ -7,11 +7,14 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import VARIANTS, enable_activation_checkpointing, left_padded_batch, tiny_config, tiny_model, valid_rows
+from peft import LoraConfig, get_peft_model
 from reference import two_pass_forward
 from transformers import (
     AutoConfig,
@@ -21,12 +24,13 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.testing_utils import CaptureLogger
 
 import modeling_dualflow
 from dualflow.instruments.upcycle import qwen3_moe_config_of
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM, configuration_dualflow
-from modeling_dualflow.modeling_dualflow import CACHE_FIELD, route_two_top_k
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowExperts, route_two_top_k
 
 
 class TestConfig:
@@ -106,6 +110,39 @@ class TestConfig:
         # the MoE model keeps transformers' default kernel (found through the decorator in modeling_dualflow.py)
         assert moe.config._experts_implementation == "grouped_mm"
         assert moe.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
+
+    def test_experts_class_is_decorated_once_and_computes_as_transformers_experts(self):
+        """
+        `@use_experts_implementation` decorates DualFlowExperts, a module of its own (no already-decorated base, whose
+        forward would be wrapped twice), and the model file names it nowhere else: transformers finds the default
+        kernel by searching that source, so the test above would fail without the decorator. The eager loop computes
+        exactly what transformers' Qwen3-MoE experts compute.
+        """
+        tree = ast.parse(Path(modeling_dualflow.modeling_dualflow.__file__).read_text())
+        decorated = [
+            node.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef)
+            and any(getattr(d, "id", None) == "use_experts_implementation" for d in node.decorator_list)
+        ]
+        assert decorated == ["DualFlowExperts"] and DualFlowExperts.__bases__ == (torch.nn.Module,)
+        assert Path(modeling_dualflow.modeling_dualflow.__file__).read_text().count("use_experts_implementation") == 2
+        config = tiny_config()
+        config._experts_implementation = "eager"
+        ours, theirs = DualFlowExperts(config), Qwen3MoeExperts(config)
+        torch.nn.init.normal_(ours.gate_up_proj)
+        torch.nn.init.normal_(ours.down_proj)
+        theirs.load_state_dict(ours.state_dict())
+        rows, indices = torch.randn(6, config.hidden_size), torch.randint(0, config.num_experts, (6, 2))
+        weights = torch.rand(6, 2)
+        assert torch.equal(ours(rows, indices, weights), theirs(rows, indices, weights))
+
+    def test_peft_reads_gradient_checkpointing_without_a_deprecation_warning(self):
+        # the `is_gradient_checkpointing` override: PEFT reads that name on every wrap and load, and transformers
+        # 5.23 on made it a deprecated alias that warns
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            get_peft_model(tiny_model(), LoraConfig(target_modules=["q_proj"]))
 
     def test_aux_embed_init_copies_the_primary_embedding_of_a_new_model_only(self, tmp_path):
         independent = DualFlowForCausalLM(tiny_config(aux_embed_init="independent"))

@@ -114,7 +114,6 @@ OTHER_MODELS_HELPERS = {
     "rotate_half",
     "load_balancing_loss_func",
     "Qwen2MoeMLP",
-    "Qwen3MoeExperts",
 }
 
 
