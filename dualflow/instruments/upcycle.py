@@ -325,7 +325,11 @@ def upcycle_seed(
             }
             gates = [parameter for name, parameter in model.named_parameters() if ".aux_round_gate." in name]
             if gates and recipe.aux_factor is not None:  # how far the rounds opened (0 = the converted identity)
-                result[recipe.name]["round_gate_mean"] = torch.cat([gate.flatten() for gate in gates]).mean().item()
+                values = torch.cat([gate.detach().flatten() for gate in gates])
+                result[recipe.name] |= {
+                    "round_gate_mean": values.mean().item(),
+                    "round_gate_mean_abs": values.abs().mean().item(),
+                }
     return result
 
 
