@@ -9,4 +9,4 @@ venv="${VENV:-.venv}"
 python3 -m venv "$venv"
 "$venv"/bin/python -m pip install -q --upgrade pip
 "$venv"/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-"$venv"/bin/python -m pip install -q -e ".[test]" ${TRANSFORMERS_SPEC:+"$TRANSFORMERS_SPEC"}
+bash scripts/with_install_lock.sh "$venv"/bin/python -m pip install -q -e ".[test]" ${TRANSFORMERS_SPEC:+"$TRANSFORMERS_SPEC"}

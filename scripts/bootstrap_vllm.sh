@@ -42,7 +42,7 @@ PY
 fi
 # torch and transformers stay the ones vLLM pinned; this package and its other dependencies go in beside them, and
 # pytest and lm-eval for tests/vllm (lm-eval 0.4.13 changes neither pin).
-$py -m pip install -q --no-deps -e .
+bash scripts/with_install_lock.sh $py -m pip install -q --no-deps -e .
 $py - <<'PY' | xargs -d '\n' $py -m pip install -q "pytest>=8" "pytest-timeout>=2.3" "lm_eval==0.4.13"
 from importlib.metadata import requires
 
