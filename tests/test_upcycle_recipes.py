@@ -127,6 +127,10 @@ def test_rounds_depth_and_equal_compute_recipes_run_and_report_both_deltas(tmp_p
     # single-flow recipes have no equal-compute partner; the depth up-scaled one is single-flow with 2x the layers
     depth = recipes["single depth 2x (layers repeated)"]
     assert depth["prediction_vs_single_equal_compute"] is None and depth["aux_val_loss"] is None
+    depth_gain = depth["prediction_vs_single_continued"]["mean"]
+    for name in partners:  # the yardstick: a conversion's gain as a share of depth up-scaling's
+        gain = recipes[name]["prediction_vs_single_continued"]["mean"]
+        assert recipes[name]["share_of_depth_upscaling_gain"]["ratio"] == pytest.approx(gain / depth_gain)
     assert depth["trainable_params"] > recipes["single continued"]["trainable_params"]
     # the gates left closed by conversion moved further at 10x their rate (same seed, same batches)
     for seed in (0, 1):

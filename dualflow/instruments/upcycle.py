@@ -31,9 +31,9 @@ from ..errors import DualFlowUserError
 from ..lora import add_lora
 from ..scoring import mean_token_nll, mean_token_nlls
 from .arms import arm_costs, dual, single, with_steps
-from .report import command_line, made_the_same_way, print_footer
+from .report import command_line, format_share, made_the_same_way, print_footer
 from .runner import fork_pool, load_corpus
-from .stats import format_error, mean_and_error, paired_differences
+from .stats import format_error, mean_and_error, paired_differences, ratio_and_error
 from .tables import text_table
 from .tiny_lm import TinyScale, tiny_moe_config, train_language_model, train_model
 
@@ -342,7 +342,8 @@ def paired(runs: list[dict], baseline_runs: list[dict], key: str) -> dict | None
 def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
     """
     Per recipe: losses over seeds and their paired differences to the single-flow continued model, to the base, and
-    (dual recipes) to the single-flow model continued for the same training FLOPs per token, where the report has it.
+    (dual recipes) to the single-flow model continued for the same training FLOPs per token, where the report has it,
+    and their gain's share of depth up-scaling's (both over single continued; 2 seeds or more).
     """
     base_runs = [result["base"] for result in per_seed]
 
@@ -358,6 +359,7 @@ def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
         for recipe in recipes
         if recipe.compute_of is not None and recipe.compute_of in flops
     }
+    depth_gain = paired(runs_of(DEPTH_UPSCALED), as_baseline(runs_of(BASELINE)), "primary_val_loss")
     summary = []
     for recipe in recipes:
         runs = runs_of(recipe.name)
@@ -377,16 +379,24 @@ def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
         partner = equal_compute_of.get(flops[recipe.name]) if recipe.aux_factor else None
         comparison = paired(runs, as_baseline(runs_of(partner)), key) if partner else None
         entry["prediction_vs_single_equal_compute"] = {"vs": partner, **comparison} if comparison else None
+        gain = entry["prediction_vs_single_continued"]
+        entry["share_of_depth_upscaling_gain"] = (
+            ratio_and_error(gain["by_seed"], depth_gain["by_seed"])
+            if recipe.aux_factor and gain and depth_gain
+            else None
+        )
         summary.append(entry)
     return summary
 
 
 def format_table(summary: list[dict], base: dict) -> str:
     header = ["recipe", "steps", "prediction val loss", "Δ vs single continued", "Δ vs single, equal compute"]
-    header += ["Δ vs base", "primary Δ vs single continued", "trainable params", "train tok/s (wall / CPU)"]
-    rows = [["base (pretrained)", "-", f"{base['mean']:.4f}", "-", "-", "-", "-", "-", "-"]]
+    header += ["share of depth up-scaling's gain", "Δ vs base", "primary Δ vs single continued", "trainable params"]
+    header.append("train tok/s (wall / CPU)")
+    rows = [["base (pretrained)", "-", f"{base['mean']:.4f}"] + ["-"] * 7]
     for entry in summary:
         loss = entry["aux_val_loss"] or entry["primary_val_loss"]
+        share = entry["share_of_depth_upscaling_gain"]
         rows.append(
             [
                 entry["name"],
@@ -394,6 +404,7 @@ def format_table(summary: list[dict], base: dict) -> str:
                 format_error(loss, sign=False),
                 format_error(entry["prediction_vs_single_continued"]),
                 format_error(entry["prediction_vs_single_equal_compute"]),
+                format_share(share["ratio"], share["se"]) if share else "-",
                 format_error(entry["prediction_vs_base"]),
                 format_error(entry["primary_vs_single_continued"]),
                 f"{entry['trainable_params']:,}",
