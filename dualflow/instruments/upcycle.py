@@ -498,8 +498,8 @@ def base_length_trend(reports: list[dict]) -> list[dict]:
     """
     Per dual recipe and comparison (equal tokens / equal compute) found at every base length: the paired gain per
     base, and a line fitted per seed (gain on log2 base steps, on the seeds every base has): its slope per doubling of
-    the base's length and its value at the longest base, mean ± SE over the seeds, and where the mean line reaches 0
-    when it heads there (an extrapolation).
+    the base's length and its value at the longest base, mean ± SE over the seeds, and how many doublings past the
+    longest base the mean line reaches 0 when it heads there (an extrapolation).
     """
     steps = [report["pretrain_steps"] for report in reports]
     entries = [{entry["name"]: entry for entry in report["recipes"]} for report in reports]
@@ -514,14 +514,14 @@ def base_length_trend(reports: list[dict]) -> list[dict]:
             seeds = sorted(set.intersection(*(set(gain["by_seed"]) for gain in gains)))
             xs = [math.log2(n) for n in steps]
             if len(steps) < 2 or not seeds:
-                row["slope_per_doubling"] = row["at_longest_base"] = row["zero_at_base_steps"] = None
+                row["slope_per_doubling"] = row["at_longest_base"] = row["doublings_to_zero"] = None
             else:
                 fits = [statistics.linear_regression(xs, [gain["by_seed"][seed] for gain in gains]) for seed in seeds]
                 row["slope_per_doubling"] = mean_and_error([fit.slope for fit in fits])
                 row["at_longest_base"] = mean_and_error([fit.intercept + fit.slope * max(xs) for fit in fits])
                 slope, at_longest = row["slope_per_doubling"]["mean"], row["at_longest_base"]["mean"]
                 heads_to_zero = slope != 0 and (at_longest < 0) == (slope > 0)
-                row["zero_at_base_steps"] = 2 ** (max(xs) - at_longest / slope) if heads_to_zero else None
+                row["doublings_to_zero"] = -at_longest / slope if heads_to_zero else None
             rows.append(row)
     return rows
 
@@ -532,17 +532,17 @@ def without_seeds(gain: dict) -> dict:
 
 def format_trend_table(rows: list[dict], steps: list[int]) -> str:
     header = ["recipe", "Δ vs single at"] + [f"base {n}" for n in steps]
-    header += ["slope per doubling of the base", "fitted at the longest base", "fitted 0 at base steps"]
+    header += ["slope per doubling of the base", "fitted at the longest base", "fitted 0 after"]
     lines = []
     for row in rows:
-        zero = row["zero_at_base_steps"]
+        zero = row["doublings_to_zero"]
         lines.append(
             [row["recipe"], row["comparison"]]
             + [format_error(gain) for gain in row["by_base"]]
             + [
                 format_error(row["slope_per_doubling"]),
                 format_error(row["at_longest_base"]),
-                "-" if zero is None else f"{zero:.0f} (extrapolated)",
+                "-" if zero is None else f"{zero:.1f} more doublings (extrapolated)",
             ]
         )
     return text_table(header, lines)
