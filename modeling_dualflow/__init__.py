@@ -17,6 +17,12 @@ DualFlowModel.register_for_auto_class("AutoModel")
 DualFlowForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 # What `save_pretrained` copies next to the weights so the folder loads with trust_remote_code.
-REMOTE_CODE_FILES = ("configuration_dualflow.py", "modeling_dualflow.py", "attention_dualflow.py", "cache_dualflow.py")
+REMOTE_CODE_FILES = (
+    "configuration_dualflow.py",
+    "modeling_dualflow.py",
+    "attention_dualflow.py",
+    "outputs_dualflow.py",
+    "cache_dualflow.py",
+)
 
 __all__ = ["DualFlowCache", "DualFlowConfig", "DualFlowForCausalLM", "DualFlowModel", "DualFlowPreTrainedModel"]

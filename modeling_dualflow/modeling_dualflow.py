@@ -5,8 +5,6 @@ positions), rows `[T:]` are the auxiliary flow at the `P` positions whose next t
 both flows in one call (grouped execution); only the primary rows produce keys/values and enter the cache.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,13 +15,13 @@ from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling, output_capturing
+from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -37,36 +35,22 @@ from .attention_dualflow import (
 )
 from .cache_dualflow import DualFlowCache
 from .configuration_dualflow import DualFlowConfig
+from .outputs_dualflow import (
+    DualFlowCausalLMOutputWithPast,
+    DualFlowModelOutputWithPast,
+    flows_of,
+    hidden_states_to_return,
+    record_flows,
+)
 
 
 # --- Compatibility with the supported transformers range (5.19 .. <6) -------------------------------------------------
-# The one thing that differs across the range: transformers 5.24 renamed the cache keyword and output field
+# transformers 5.24 renamed the cache keyword and output field
 # `past_key_values` to `cache`, and `generate` passes and reads the name of the installed version (5.24 still takes the
 # old one, with a deprecation warning). So the forwards take both keywords (`cache` wins), outputs are built and read
 # under CACHE_FIELD, `_skip_keys_device_placement` (and the config's `keys_to_ignore_at_inference`) name both, and
-# `create_causal_mask` gets the cache by position.
+# `create_causal_mask` gets the cache by position. (What `output_hidden_states` selects changed too: outputs_dualflow.py.)
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-# `output_hidden_states` may select hidden states, read differently across the range: 5.24 takes positions among all
-# of them (the input state first, negative ones from the end, an int for one), earlier versions a list of positions
-# among the layers' outputs (no input state; anything else as a flag). The model selects as Qwen3-MoE does.
-SELECTS_AMONG_ALL_STATES = hasattr(output_capturing, "resolve_hidden_states_indices")
-
-
-def hidden_states_to_return(output_hidden_states, num_layers: int) -> tuple[set[int] | None, bool]:
-    """
-    The hidden states `output_hidden_states` asks for, as positions 0..num_layers (0: the input state, i: the output
-    of layer i - 1), None for none; and whether the returned tuple has an entry for the input state.
-    """
-    num_states = num_layers + 1
-    if SELECTS_AMONG_ALL_STATES and not isinstance(output_hidden_states, (bool, type(None))):
-        indices = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
-        return {index % num_states for index in indices if -num_states <= index < num_states}, True
-    if isinstance(output_hidden_states, (list, tuple, set)):
-        return {index + 1 for index in output_hidden_states if 0 <= index < num_layers}, False
-    return (set(range(num_states)) if output_hidden_states else None), True
-
-
 # -----------------------------------------------------------------------------------------------------------------------
 
 
@@ -311,48 +295,6 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, keys, values, *attn_weights
 
 
-@dataclass
-class DualFlowModelOutputWithPast(MoeModelOutputWithPast):
-    r"""
-    last_hidden_state, hidden_states, attentions, router_logits, past_key_values (`cache` from transformers 5.24):
-        The primary flow's, exactly as a Qwen3-MoE model of the same config returns them (`hidden_states[-1]` is the
-        final-normed state; `router_logits` is `None` for a dense model).
-    aux_last_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_aux_positions, hidden_size)`, *optional*):
-        Final-normed auxiliary flow states at `aux_positions`; `None` when the aux flow did not run.
-    aux_hidden_states / aux_attentions / aux_router_logits (*optional*):
-        The same per-layer outputs for the aux rows: states `(batch, P, hidden)`, attentions `(batch, heads, P, keys)`,
-        router logits `(batch * P, num_experts)`.
-    """
-
-    aux_last_hidden_state: torch.FloatTensor | None = None
-    aux_hidden_states: tuple[torch.FloatTensor, ...] | None = None
-    aux_attentions: tuple[torch.FloatTensor, ...] | None = None
-    aux_router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
-@dataclass
-class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
-    r"""
-    logits (`torch.FloatTensor`):
-        The prediction: aux flow logits when the aux flow is on, primary logits when it is off.
-    primary_logits (`torch.FloatTensor`):
-        Primary flow logits at the same positions.
-    aux_loss (`torch.FloatTensor`, *optional*):
-        The router load-balancing loss (transformers' name for it): each flow's Switch-style loss over its own rows and
-        top-k, summed; padding positions are left out. Returned when `output_router_logits` is on (MoE models only).
-    hidden_states / attentions / router_logits (*optional*):
-        The primary flow's, with the shapes and meaning a Qwen3-MoE model of the same config gives them.
-    aux_hidden_states / aux_attentions / aux_router_logits (*optional*):
-        The aux flow's at the predicted positions (see `DualFlowModelOutputWithPast`); `aux_hidden_states[-1]` is the
-        final-normed state the LM head reads.
-    """
-
-    primary_logits: torch.FloatTensor | None = None
-    aux_hidden_states: tuple[torch.FloatTensor, ...] | None = None
-    aux_attentions: tuple[torch.FloatTensor, ...] | None = None
-    aux_router_logits: tuple[torch.FloatTensor, ...] | None = None
-
-
 class DualFlowPreTrainedModel(PreTrainedModel):
     config: DualFlowConfig
     config_class = DualFlowConfig
@@ -474,6 +416,35 @@ class DualFlowModel(DualFlowPreTrainedModel):
             )
         return aux_top_k, num_rounds
 
+    def _stack_aux_rows(
+        self, input_ids, inputs_embeds, aux_inputs_embeds, aux_positions, position_ids, masks, cache, past_length
+    ):
+        """
+        The stacked rows `[primary; aux]`, their positions, the aux positions as indices, and the masks with the aux
+        rows' own where they sit elsewhere than at every primary position (then they attend in a call of their own).
+        """
+        num_primary = inputs_embeds.shape[1]
+        at_every_position = keeps_every_position(aux_positions, num_primary)
+        last_positions = not isinstance(aux_positions, torch.Tensor)
+        aux_positions = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
+        if aux_inputs_embeds is not None:
+            aux_embeds = aux_inputs_embeds[:, aux_positions]
+        elif input_ids is not None:
+            aux_embeds = self.aux_embed_tokens(input_ids[:, aux_positions])
+        else:  # no ids to look up: start from the given rows (exact at the upcycling init, E_aux == E)
+            aux_embeds = inputs_embeds[:, aux_positions]
+        # `.to`: a device_map may put the two embedding tables on different devices.
+        hidden_states = torch.cat([inputs_embeds, aux_embeds.to(inputs_embeds.device)], dim=1)
+        row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
+        if not at_every_position:
+            kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
+            primary_mask = masks.primary[0]
+            aux_mask = aux_rows_mask(
+                self.config, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length
+            )
+            masks = DualFlowMasks(masks.primary, (*aux_mask, None))
+        return hidden_states, row_positions, aux_positions, masks
+
     @can_return_tuple
     def forward(
         self,
@@ -572,24 +543,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
 
         hidden_states, row_positions = inputs_embeds, position_ids
         if aux_positions is not None:
-            at_every_position = keeps_every_position(aux_positions, num_primary)
-            last_positions = not isinstance(aux_positions, torch.Tensor)
-            aux_positions = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
-            if aux_inputs_embeds is not None:
-                aux_embeds = aux_inputs_embeds[:, aux_positions]
-            elif input_ids is not None:
-                aux_embeds = self.aux_embed_tokens(input_ids[:, aux_positions])
-            else:  # no ids to look up: start from the given rows (exact at the upcycling init, E_aux == E)
-                aux_embeds = inputs_embeds[:, aux_positions]
-            # `.to`: a device_map may put the two embedding tables on different devices.
-            hidden_states = torch.cat([inputs_embeds, aux_embeds.to(inputs_embeds.device)], dim=1)
-            row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
-            if not at_every_position:  # aux rows elsewhere attend in a call of their own, with their mask rows
-                kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
-                aux_mask = aux_rows_mask(
-                    self.config, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length
-                )
-                masks = DualFlowMasks(masks.primary, (*aux_mask, None))
+            hidden_states, row_positions, aux_positions, masks = self._stack_aux_rows(
+                input_ids, inputs_embeds, aux_inputs_embeds, aux_positions, position_ids, masks, cache, past_length
+            )
         cos, sin = self.rotary_emb(hidden_states, position_ids=row_positions)
         layer_kwargs = dict(aux_positions=aux_positions, masks=masks, aux_top_k=aux_top_k, **kwargs)
 
@@ -648,27 +604,6 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_hidden_states=None if aux_off else aux_hidden_states,
             aux_attentions=None if aux_off else aux_attentions,
         )
-
-
-def record_flows(states: torch.Tensor, num_primary: int, recorded: list, selected: bool = True) -> torch.Tensor:
-    """
-    Appends the (primary, aux) rows of `states` to `recorded` ((None, None) where not `selected`) as tensors of the
-    graph, so that `retain_grad` on them gets a gradient: the layers go on from their concatenation, which is returned.
-    """
-    if not selected:
-        recorded.append((None, None))
-    elif states.shape[1] == num_primary:  # no aux rows
-        recorded.append((states, None))
-    else:
-        flows = states.split([num_primary, states.shape[1] - num_primary], dim=1)
-        recorded.append(flows)
-        states = torch.cat(flows, dim=1)
-    return states
-
-
-def flows_of(per_layer: list) -> tuple[tuple, tuple]:
-    """Per-layer (primary, aux) pairs as a tuple of each flow's entries."""
-    return tuple(entry[0] for entry in per_layer), tuple(entry[1] for entry in per_layer)
 
 
 def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bool:

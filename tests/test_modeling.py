@@ -676,9 +676,14 @@ def test_remote_code_round_trip_in_fresh_process(tmp_path):
     model = tiny_model(aux_num_experts_per_tok=3, qk_norm="per_head")
     model.save_pretrained(tmp_path / "ckpt")
     saved = set(os.listdir(tmp_path / "ckpt"))
-    # every file the model file imports, attention_dualflow.py included, travels with the weights
-    assert {*modeling_dualflow.REMOTE_CODE_FILES, "config.json"} <= saved
-    assert "attention_dualflow.py" in modeling_dualflow.REMOTE_CODE_FILES
+    # every file the model file imports (`from .x import`, and what those import) is listed and travels with it
+    folder, listed, pending = Path(modeling_dualflow.__file__).parent, set(), ["modeling_dualflow.py"]
+    while pending:
+        listed.add(name := pending.pop())
+        tree = ast.parse((folder / name).read_text())
+        pending += [f"{n.module}.py" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1]
+    assert listed == set(modeling_dualflow.REMOTE_CODE_FILES) and len(listed) == 5
+    assert {*listed, "config.json"} <= saved
     auto_map = json.loads((tmp_path / "ckpt" / "config.json").read_text())["auto_map"]
     assert auto_map["AutoModelForCausalLM"] == "modeling_dualflow.DualFlowForCausalLM"
     assert auto_map["AutoModel"] == "modeling_dualflow.DualFlowModel"

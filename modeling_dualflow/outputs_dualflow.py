@@ -1,0 +1,90 @@
+"""What a Dual-Flow model returns: its output classes, and each flow's hidden states recorded as tensors of the graph."""
+
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.utils import output_capturing
+
+
+# Compatibility: `output_hidden_states` may select hidden states, read differently across the range: 5.24 takes positions among all
+# of them (the input state first, negative ones from the end, an int for one), earlier versions a list of positions
+# among the layers' outputs (no input state; anything else as a flag). The model selects as Qwen3-MoE does.
+SELECTS_AMONG_ALL_STATES = hasattr(output_capturing, "resolve_hidden_states_indices")
+
+
+def hidden_states_to_return(output_hidden_states, num_layers: int) -> tuple[set[int] | None, bool]:
+    """
+    The hidden states `output_hidden_states` asks for, as positions 0..num_layers (0: the input state, i: the output
+    of layer i - 1), None for none; and whether the returned tuple has an entry for the input state.
+    """
+    num_states = num_layers + 1
+    if SELECTS_AMONG_ALL_STATES and not isinstance(output_hidden_states, (bool, type(None))):
+        indices = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
+        return {index % num_states for index in indices if -num_states <= index < num_states}, True
+    if isinstance(output_hidden_states, (list, tuple, set)):
+        return {index + 1 for index in output_hidden_states if 0 <= index < num_layers}, False
+    return (set(range(num_states)) if output_hidden_states else None), True
+
+
+@dataclass
+class DualFlowModelOutputWithPast(MoeModelOutputWithPast):
+    r"""
+    last_hidden_state, hidden_states, attentions, router_logits, past_key_values (`cache` from transformers 5.24):
+        The primary flow's, exactly as a Qwen3-MoE model of the same config returns them (`hidden_states[-1]` is the
+        final-normed state; `router_logits` is `None` for a dense model).
+    aux_last_hidden_state (`torch.FloatTensor` of shape `(batch_size, num_aux_positions, hidden_size)`, *optional*):
+        Final-normed auxiliary flow states at `aux_positions`; `None` when the aux flow did not run.
+    aux_hidden_states / aux_attentions / aux_router_logits (*optional*):
+        The same per-layer outputs for the aux rows: states `(batch, P, hidden)`, attentions `(batch, heads, P, keys)`,
+        router logits `(batch * P, num_experts)`.
+    """
+
+    aux_last_hidden_state: torch.FloatTensor | None = None
+    aux_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    aux_attentions: tuple[torch.FloatTensor, ...] | None = None
+    aux_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+@dataclass
+class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
+    r"""
+    logits (`torch.FloatTensor`):
+        The prediction: aux flow logits when the aux flow is on, primary logits when it is off.
+    primary_logits (`torch.FloatTensor`):
+        Primary flow logits at the same positions.
+    aux_loss (`torch.FloatTensor`, *optional*):
+        The router load-balancing loss (transformers' name for it): each flow's Switch-style loss over its own rows and
+        top-k, summed; padding positions are left out. Returned when `output_router_logits` is on (MoE models only).
+    hidden_states / attentions / router_logits (*optional*):
+        The primary flow's, with the shapes and meaning a Qwen3-MoE model of the same config gives them.
+    aux_hidden_states / aux_attentions / aux_router_logits (*optional*):
+        The aux flow's at the predicted positions (see `DualFlowModelOutputWithPast`); `aux_hidden_states[-1]` is the
+        final-normed state the LM head reads.
+    """
+
+    primary_logits: torch.FloatTensor | None = None
+    aux_hidden_states: tuple[torch.FloatTensor, ...] | None = None
+    aux_attentions: tuple[torch.FloatTensor, ...] | None = None
+    aux_router_logits: tuple[torch.FloatTensor, ...] | None = None
+
+
+def record_flows(states: torch.Tensor, num_primary: int, recorded: list, selected: bool = True) -> torch.Tensor:
+    """
+    Appends the (primary, aux) rows of `states` to `recorded` ((None, None) where not `selected`) as tensors of the
+    graph, so that `retain_grad` on them gets a gradient: the layers go on from their concatenation, which is returned.
+    """
+    if not selected:
+        recorded.append((None, None))
+    elif states.shape[1] == num_primary:  # no aux rows
+        recorded.append((states, None))
+    else:
+        flows = states.split([num_primary, states.shape[1] - num_primary], dim=1)
+        recorded.append(flows)
+        states = torch.cat(flows, dim=1)
+    return states
+
+
+def flows_of(per_layer: list) -> tuple[tuple, tuple]:
+    """Per-layer (primary, aux) pairs as a tuple of each flow's entries."""
+    return tuple(entry[0] for entry in per_layer), tuple(entry[1] for entry in per_layer)
