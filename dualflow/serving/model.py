@@ -3,14 +3,19 @@ Dual-Flow causal LM for vLLM, built from vLLM's own layers.
 
 The primary flow is the base model: every scheduled token goes through it and it alone writes the paged KV cache.
 The aux flow runs only at the rows vLLM samples from (each request's last scheduled token in a step, or every draft
-position under speculative decoding). In each layer its rows are stacked under the primary rows, so q/o projections,
-norms, router and experts see both flows in one call (grouped execution); its attention reads the primary layer's cache through a
-KV-sharing `Attention` layer with twice the query heads, which writes nothing. vLLM's KV-sharing fast-prefill
-metadata (switched on for this model by `DualFlowEngineConfig`) gives that layer exactly the sampled rows, so prefill
-pays the base model plus one aux row per request. In a step where every row is sampled (pure decode, speculative
-verification) the aux row sits at its primary row's position, so one call of that layer attends for both flows, the
-primary queries and the aux queries as its 2H heads over pages read once; vLLM traces a model once, so that step runs
-through a second compiled piece over the same layers (`DualFlowEveryRowModel`), chosen per step outside the graph.
+position under speculative decoding); its attention reads the primary layer's cache through a KV-sharing `Attention`
+layer with twice the query heads, which writes nothing. Three compiled pieces, each with one dynamic size, chosen per
+step outside the graphs (vLLM traces a compiled module once, and picks a graph by its first dynamic size):
+
+- every row sampled (pure decode, speculative verification): `DualFlowEveryRowModel`. The aux row sits at its primary
+  row's position, so the two flows' rows are stacked and each projection, norm, router and experts call serves both
+  (grouped execution), and one call of the aux attention layer attends for both flows, the primary queries and the
+  aux queries as its 2H heads over pages read once.
+- some rows sampled (prefill, mixed steps): the primary piece (`DualFlowModel`) on every row, then the aux rows piece
+  (`DualFlowAuxRowsModel`) on the sampled rows alone, their inputs (token ids, positions, the primary states the
+  couplings read) copied into persistent buffers sized for the largest step, as vLLM's Gemma3n runs its
+  cross-decoder. vLLM's KV-sharing fast-prefill metadata (switched on by `DualFlowEngineConfig`) gives the aux
+  attention layers exactly the sampled rows, so prefill pays the base model plus one aux row per request.
 
 After the final norm the aux states replace the primary states at the sampled rows: `compute_logits`, the sampler and
 everything downstream then see the aux prediction there. Other rows (prompt logprobs) keep the primary flow's states,
@@ -170,17 +175,15 @@ class DualFlowSparseMoeBlock(nn.Module):
             prefix=f"{prefix}.experts",
         )
 
-    def forward(self, hidden_states: torch.Tensor, num_primary: int, aux_rows: torch.Tensor | None) -> torch.Tensor:
-        # hidden_states: (T + P, hidden) = [primary rows; aux rows at the primary rows `aux_rows`, or at every primary
-        # row when aux_rows is None] (T = 0 in an extra aux round)
+    def forward(self, hidden_states: torch.Tensor, num_primary: int) -> torch.Tensor:
+        # hidden_states: [T primary rows; aux rows]: T aux rows at the primary rows' positions (every row sampled), or
+        # the aux rows alone (T = 0: the aux rows piece)
         router_logits, _ = self.gate(hidden_states)
         num_aux = hidden_states.shape[0] - num_primary
         if num_aux == 0 or self.aux_top_k == self.top_k:
             out = self.experts(hidden_states=hidden_states, router_logits=router_logits)
         else:
-            primary_logits = None
-            if num_primary:
-                primary_logits = router_logits[:num_primary] if aux_rows is None else router_logits[aux_rows]
+            primary_logits = router_logits[:num_primary] if num_primary else None
             chunk_logits, chunk_sums = aux_chunk_logits(
                 router_logits[num_primary:], self.top_k, self.aux_top_k, self.norm_topk_prob, primary_logits
             )
@@ -238,7 +241,8 @@ def split_heads(stacked: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 class DualFlowAttention(nn.Module):
     """q/k/v and o projections over [primary; aux] rows; the primary rows attend and fill the cache, the aux rows
-    attend through `aux_attn` (`aux_paged_attention`, built by the model), which reads the same cache."""
+    attend through `aux_attn` (`aux_paged_attention`, built by the model), which reads the same cache: in one call
+    with the primary queries where every row is sampled, alone in the aux rows piece."""
 
     def __init__(self, config, cache_config, quant_config, prefix: str = ""):
         super().__init__()
@@ -322,11 +326,9 @@ class DualFlowAttention(nn.Module):
         output = vllm_internals.write_cache_then_attend(self.attn, aux_attn, query, key, value)
         return split_heads(output.view(rows, -1), self.num_kv_heads).flatten(0, 1)  # [primary rows; aux rows]
 
-    def forward(
-        self, positions, hidden_states, num_primary: int, aux_attn: Attention | None, every_row_sampled: bool = False
-    ) -> torch.Tensor:
-        # hidden_states: (T + P, hidden), normed; positions: (T + P,); every_row_sampled: P = T, aux row i at primary
-        # row i (a Python constant of the compiled piece, not a per-step branch)
+    def forward(self, positions, hidden_states, num_primary: int, aux_attn: Attention | None) -> torch.Tensor:
+        # hidden_states: normed, [T primary rows; aux rows]: with aux_attn and T > 0, T aux rows, aux row i at primary
+        # row i (every row sampled); with T = 0 the aux rows alone (the aux rows piece, extra rounds)
         qkv, _ = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.aux_q_adapter is not None:  # on the projection, before norms and clipping (as in transformers)
@@ -338,19 +340,15 @@ class DualFlowAttention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self._norm_per_head(q, self.q_norm), self._norm_per_head(k, self.k_norm)
         q, k = self.rotary_emb(positions, q, k)
-        if aux_attn is not None and every_row_sampled and num_primary:
+        if aux_attn is None:
+            attn_output = self.attn(q, k, v)
+        elif num_primary:
             attn_output = self._attend_both_flows(q, k, v, num_primary, aux_attn)
         else:
-            outputs = []
-            if num_primary:  # 0 in an extra aux round: the cache already holds this step's primary K/V
-                outputs.append(self.attn(q[:num_primary], k[:num_primary], v[:num_primary]))
-            if aux_attn is not None:
-                # Only some rows sampled (or an extra round): the aux queries alone, zeros in the primary heads. The
-                # aux rows' k/v are never written: a KV-sharing layer only reads its target's cache.
-                q_aux = q[num_primary:]
-                query = stack_heads(torch.zeros_like(q_aux), q_aux, self.num_kv_heads)
-                outputs.append(split_heads(aux_attn(query, k[num_primary:], v[num_primary:]), self.num_kv_heads)[1])
-            attn_output = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            # The aux rows alone, after the primary piece wrote this step's K/V: the aux queries, zeros in the primary
+            # heads. Their k/v are never written: a KV-sharing layer only reads its target's cache.
+            query = stack_heads(torch.zeros_like(q), q, self.num_kv_heads)
+            attn_output = split_heads(aux_attn(query, k, v), self.num_kv_heads)[1]
         output, _ = self.o_proj(attn_output)
         if self.aux_o_adapter is not None:
             output = self.aux_o_adapter(output, attn_output, num_primary)
@@ -385,29 +383,19 @@ class DualFlowDecoderLayer(nn.Module):
         )
 
     def forward(
-        self,
-        positions,
-        hidden_states,
-        num_primary: int,
-        aux_attn,
-        primary_entering,
-        aux_rows=None,
-        every_row_sampled=False,
-        extra_round=False,
+        self, positions, hidden_states, num_primary: int, aux_attn=None, primary_entering=None, extra_round=False
     ):
-        # hidden_states: (T + P, hidden) = [primary rows; aux rows at the primary rows `aux_rows` (every row when
-        # every_row_sampled)], or the P aux rows alone in an extra aux round; primary_entering: (P, hidden), the
-        # primary state that entered this layer there
+        # hidden_states: the T primary rows alone (aux_attn None), [T primary rows; T aux rows at the same positions]
+        # (every row sampled), or the P aux rows alone (T = 0); primary_entering: (P, hidden), the primary state that
+        # entered this layer at the aux rows' positions
         layer_input = hidden_states
         if primary_entering is not None:
             coupled = self.aux_coupling.weight * primary_entering
             hidden_states = torch.cat([hidden_states[:num_primary], hidden_states[num_primary:] + coupled])
-        attn_out = self.self_attn(
-            positions, self.input_layernorm(hidden_states), num_primary, aux_attn, every_row_sampled
-        )
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), num_primary, aux_attn)
         normed, hidden_states = self.post_attention_layernorm(attn_out, hidden_states)  # fused residual add + norm
         is_moe = isinstance(self.mlp, DualFlowSparseMoeBlock)
-        mlp_out = self.mlp(normed, num_primary, aux_rows) if is_moe else self.mlp(normed)
+        mlp_out = self.mlp(normed, num_primary) if is_moe else self.mlp(normed)
         if self.aux_mlp_adapter is not None:  # the delta of the MLP's (normed) input, added to the block's output
             mlp_out = self.aux_mlp_adapter(mlp_out, normed, num_primary)
         hidden_states = hidden_states + mlp_out
@@ -416,12 +404,21 @@ class DualFlowDecoderLayer(nn.Module):
         return hidden_states
 
 
+def one_dynamic_size(positions: torch.Tensor, rows: torch.Tensor) -> None:
+    """Tell the compiler that the positions' length is the rows' count, so a compiled piece has one dynamic size (the
+    one vLLM picks its graphs by): the rotary embedding's custom op does not tie the two."""
+    torch._check(positions.shape[-1] == rows.shape[0])
+
+
 @support_torch_compile(
-    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0, "aux_rows": 0}
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
 )
 class DualFlowModel(nn.Module):
-    """The weights (the checkpoint's names) and the compiled piece for steps in which vLLM samples some rows only
-    (prefill, mixed steps) or the primary flow runs alone."""
+    """
+    The weights (the checkpoint's names) and the primary piece: every scheduled token through the primary flow (the
+    base model), which writes this step's K/V. With the aux flow on it also returns, per row and layer, the primary
+    state entering that layer (what the couplings read), for the aux rows piece (`DualFlowAuxRowsModel`).
+    """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -479,59 +476,51 @@ class DualFlowModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        aux_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        # aux_rows: (P,) rows whose next token is sampled (`sampled_rows`); None runs the primary flow alone. Returns
-        # the T primary rows' final states, then (with aux_rows) the P aux rows'.
-        return self.run_layers(input_ids, positions, inputs_embeds, aux_rows, every_row_sampled=False)
-
-    def run_layers(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor | None,
-        aux_rows: torch.Tensor | None,
-        every_row_sampled: bool,
-    ) -> torch.Tensor:
-        """
-        Both flows through every layer. The aux flow runs at the primary rows `aux_rows`, or at every row when
-        every_row_sampled (then aux_rows is None and attention reads the pages once for both flows); with neither,
-        the primary flow runs alone. Returns the final states: the primary rows', then the aux rows' (with aux_rows),
-        or only the aux rows' (every_row_sampled).
-        """
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # Returns the T rows' final (normed) primary states; with the aux flow on also (T, layers, hidden): the state
+        # entering each layer.
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        num_primary = hidden_states.shape[0]
-        with_aux = every_row_sampled or aux_rows is not None
-        if with_aux:  # token ids only: engines with prompt embeddings are refused at startup (engine_config.py)
-            aux_ids, aux_positions = (
-                (input_ids, positions) if aux_rows is None else (input_ids[aux_rows], positions[aux_rows])
-            )
-            hidden_states = torch.cat([hidden_states, self.aux_embed_tokens(aux_ids)])
-            positions = torch.cat([positions, aux_positions])
-        aux_attns = self.aux_attn if with_aux else [None] * len(self.layers)
-        entering = []  # per layer, the primary state entering it at the aux rows
-        for layer, aux_attn in zip(self.layers, aux_attns):
-            if with_aux:
-                entering.append(hidden_states[:num_primary] if aux_rows is None else hidden_states[aux_rows])
-            else:
-                entering.append(None)
-            hidden_states = layer(
-                positions, hidden_states, num_primary, aux_attn, entering[-1], aux_rows, every_row_sampled
-            )
-        if not with_aux:
-            return self.norm(hidden_states)
-        aux_states = hidden_states[num_primary:]
-        if self.aux_num_rounds > 1:
-            # Rounds 2..R: the aux rows alone pass through every layer again, coupled to the same primary states and
-            # reading the same cached primary K/V; nothing is written.
-            for _ in range(self.aux_num_rounds - 1):
-                for layer, aux_attn, primary_entering in zip(self.layers, self.aux_attn, entering):
-                    aux_states = layer(
-                        positions[num_primary:], aux_states, 0, aux_attn, primary_entering, extra_round=True
-                    )
-        if aux_rows is None:  # every row predicts with the aux flow
-            return self.norm(aux_states)
-        return self.norm(torch.cat([hidden_states[:num_primary], aux_states]))
+        one_dynamic_size(positions, hidden_states)
+        entering = None
+        if self.use_aux_flow:
+            entering = hidden_states.new_empty(hidden_states.shape[0], len(self.layers), hidden_states.shape[1])
+        for i, layer in enumerate(self.layers):
+            if entering is not None:  # copied now: the layer's fused residual add may update its input in place
+                entering[:, i] = hidden_states
+            hidden_states = layer(positions, hidden_states, hidden_states.shape[0])
+        hidden_states = self.norm(hidden_states)
+        return hidden_states if entering is None else (hidden_states, entering)
+
+    def run_every_row(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Both flows through every layer, aux row i at primary row i: one q/k/v, o, router and experts call for both
+        flows, one attention call (the pages read once). Returns the aux rows' final states."""
+        num_primary = input_ids.shape[0]
+        one_dynamic_size(positions, input_ids)
+        hidden_states = torch.cat([self.embed_input_ids(input_ids), self.aux_embed_tokens(input_ids)])
+        stacked_positions = torch.cat([positions, positions])
+        entering = []
+        for layer, aux_attn in zip(self.layers, self.aux_attn):
+            entering.append(hidden_states[:num_primary])
+            hidden_states = layer(stacked_positions, hidden_states, num_primary, aux_attn, entering[-1])
+        return self.norm(self.extra_aux_rounds(positions, hidden_states[num_primary:], entering))
+
+    def run_aux_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
+        """The aux flow alone at P rows, over the K/V the primary piece wrote: input_ids, positions (P,), entering
+        (P, layers, hidden) the primary states entering each layer there. Returns the P rows' final states."""
+        aux_states = self.aux_embed_tokens(input_ids)
+        one_dynamic_size(positions, aux_states)
+        entering = entering.unbind(1)
+        for layer, aux_attn, primary_entering in zip(self.layers, self.aux_attn, entering):
+            aux_states = layer(positions, aux_states, 0, aux_attn, primary_entering)
+        return self.norm(self.extra_aux_rounds(positions, aux_states, entering))
+
+    def extra_aux_rounds(self, positions, aux_states: torch.Tensor, entering) -> torch.Tensor:
+        # Rounds 2..R: the aux rows alone pass through every layer again, coupled to the same primary states and
+        # reading the same cached primary K/V; nothing is written.
+        for _ in range(self.aux_num_rounds - 1):
+            for layer, aux_attn, primary_entering in zip(self.layers, self.aux_attn, entering):
+                aux_states = layer(positions, aux_states, 0, aux_attn, primary_entering, extra_round=True)
+        return aux_states
 
 
 @support_torch_compile(
@@ -539,8 +528,9 @@ class DualFlowModel(nn.Module):
 )
 class DualFlowEveryRowModel(nn.Module):
     """
-    The compiled piece for steps in which vLLM samples every row: `model`'s layers, attention in one call per layer
-    for both flows. A separate piece because vLLM traces each compiled module once; it holds no weights of its own.
+    The compiled piece for steps in which vLLM samples every row (pure decode, speculative verification): `model`'s
+    layers, both flows grouped (`DualFlowModel.run_every_row`). A separate piece because vLLM traces each compiled
+    module once; it holds no weights of its own.
     """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: DualFlowModel):
@@ -554,7 +544,41 @@ class DualFlowEveryRowModel(nn.Module):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self.model.run_layers(input_ids, positions, inputs_embeds, None, every_row_sampled=True)
+        return self.model.run_every_row(input_ids, positions)
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "entering": 0})
+class DualFlowAuxRowsModel(nn.Module):
+    """
+    The compiled piece for the aux flow in steps in which vLLM samples some rows only (prefill, mixed steps): runs
+    after the primary piece, on the P sampled rows alone (`DualFlowModel.run_aux_rows`). One dynamic size, P, and its
+    inputs are views of persistent buffers (`DualFlowForCausalLM`): a CUDA graph captured for a larger P reads the
+    same addresses, computes every row on its own, and the rows past the step's P are dropped.
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: DualFlowModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
+        return self.model.run_aux_rows(input_ids, positions, entering)
+
+
+class AuxRowInputs:
+    """Persistent buffers for the aux rows piece's inputs, sized for the largest step (vLLM's token budget), as vLLM's
+    Gemma3n keeps its cross-decoder's: a CUDA graph reads its inputs from the addresses it was captured with."""
+
+    def __init__(self, max_rows: int, num_layers: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.entering = torch.zeros(max_rows, num_layers, hidden_size, dtype=dtype, device=device)
+
+    def fill(self, rows, input_ids, positions, entering) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The inputs at `rows` copied in; returns views of the first len(rows) rows."""
+        views = tuple(buffer[: rows.shape[0]] for buffer in (self.input_ids, self.positions, self.entering))
+        for view, source in zip(views, (input_ids, positions, entering)):
+            view.copy_(source[rows])
+        return views
 
 
 class DualFlowForCausalLM(nn.Module):
@@ -580,12 +604,24 @@ class DualFlowForCausalLM(nn.Module):
         self.config = config
         self.model = DualFlowModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.every_row_model = None
-        if config.use_aux_flow and self.model.layers[0].self_attn.can_attend_both_flows_at_once():
-            # its own compiled graph and cache entry
-            with vllm_internals.compiled_model_tag("dualflow_every_row_sampled"):
-                self.every_row_model = DualFlowEveryRowModel(
-                    vllm_config=vllm_config, prefix=maybe_prefix(prefix, "every_row_model"), model=self.model
+        if config.use_aux_flow:
+            # Each piece gets its own compiled graph and cache entry.
+            with vllm_internals.compiled_model_tag("dualflow_aux_rows"):
+                self.aux_rows_model = DualFlowAuxRowsModel(
+                    vllm_config=vllm_config, prefix=maybe_prefix(prefix, "aux_rows_model"), model=self.model
                 )
+            self.aux_row_inputs = AuxRowInputs(
+                vllm_config.scheduler_config.max_num_batched_tokens,
+                config.num_hidden_layers,
+                config.hidden_size,
+                vllm_config.model_config.dtype,
+                next(self.model.parameters()).device,
+            )
+            if self.model.layers[0].self_attn.can_attend_both_flows_at_once():
+                with vllm_internals.compiled_model_tag("dualflow_every_row_sampled"):
+                    self.every_row_model = DualFlowEveryRowModel(
+                        vllm_config=vllm_config, prefix=maybe_prefix(prefix, "every_row_model"), model=self.model
+                    )
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
@@ -607,19 +643,31 @@ class DualFlowForCausalLM(nn.Module):
         sampled = self.model.sampled_rows(num_tokens)
         if sampled is None and self.every_row_model is not None:
             if get_forward_context().attn_metadata is None:
-                # A dummy run (warm-up, profiling, graph capture): compile and warm the other piece as well.
-                every_row = torch.arange(num_tokens, device=positions.device)
-                self.model(input_ids, positions, intermediate_tensors, inputs_embeds, every_row)
+                # A dummy run (warm-up, profiling, graph capture): compile, warm (capture) the other two pieces as
+                # well, with every row sampled.
+                self.primary_then_aux_rows(input_ids, positions, torch.arange(num_tokens, device=positions.device))
             return self.every_row_model(input_ids, positions, intermediate_tensors, inputs_embeds)
         if sampled is None:
             sampled = torch.arange(num_tokens, device=positions.device), num_tokens
-        rows, num_sampled = sampled
-        states = self.model(input_ids, positions, intermediate_tensors, inputs_embeds, rows)
-        # The sampled rows predict with the aux flow, every other row keeps the primary flow's prediction. Rows past
-        # num_sampled pad the step for graphs (the last row repeated, its attention output never written): they are
-        # dropped, so each row is written once, by its real aux state (as vLLM's Gemma3n cuts its padded rows).
-        aux_states = states[num_tokens : num_tokens + num_sampled]
-        return states[:num_tokens].index_copy(0, rows[:num_sampled], aux_states)
+        return self.primary_then_aux_rows(input_ids, positions, *sampled)
+
+    def primary_then_aux_rows(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, num_sampled: int | None = None
+    ) -> torch.Tensor:
+        """
+        A step in which the aux flow predicts at `rows` only: the primary piece on every row, then the aux rows piece
+        on `rows` from the persistent buffers. The first num_sampled rows (all by default) get the aux prediction,
+        every other row keeps the primary flow's. Rows past num_sampled pad the step for graphs (the last row
+        repeated, their attention output never written): they are dropped, so each row is written once, by its real
+        aux state, as vLLM's Gemma3n cuts its padded rows.
+        """
+        primary_states, entering = self.model(input_ids, positions)
+        # A copy: vLLM may hand a piece's output over from a graph memory pool that the next piece's graph reuses (the
+        # note at vLLM's Gemma3n fast prefill).
+        states = primary_states.clone()
+        aux_states = self.aux_rows_model(*self.aux_row_inputs.fill(rows, input_ids, positions, entering))
+        num_sampled = rows.shape[0] if num_sampled is None else num_sampled
+        return states.index_copy_(0, rows[:num_sampled], aux_states[:num_sampled])
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)

@@ -1,7 +1,9 @@
 """What vLLM's GPU runner does that its CPU runner does not, simulated in a CPU engine: with CUDA graphs the rows vLLM
-samples from are padded to a graph size by repeating the last index, and the attention output of the padded rows is
-never written (`torch.empty`). The served logits must be the unpadded run's exactly. Modes the model does not run are
-refused in one line before any engine process starts."""
+samples from are padded to a graph size by repeating the last index, the attention output of the padded rows is never
+written (`torch.empty`), and a compiled piece replays the graph captured for the step's batch size (at warm-up, with
+every row sampled) whatever the number of rows it is called with, reading its inputs from the captured addresses. The
+served logits must be the unpadded run's exactly. Each compiled piece has one dynamic size, the one vLLM picks its
+graphs by. Modes the model does not run are refused in one line before any engine process starts."""
 
 import math
 
@@ -56,6 +58,81 @@ def padded_attention_calls(worker):
     return worker.model_runner.padded_attention_calls
 
 
+def replay_aux_rows_like_cuda_graphs(worker):
+    """
+    In the engine process: from now on, run the aux rows piece as a CUDA graph captured for the step's token count T
+    replays it when a mixed step calls it with P < T rows: on T rows read from the addresses its inputs had (the rows
+    past P hold what earlier steps left there: NaN in the float ones here), its first P output rows used. Inputs that
+    are not views of a buffer with room for T rows cannot be read that way (RuntimeError). Records each call's input
+    addresses in `runner.aux_rows_addresses` and counts the calls with P < T in `runner.replays_past_the_rows`.
+    """
+    from vllm.forward_context import get_forward_context
+
+    runner = worker.model_runner
+    model = runner.model
+    piece = model.aux_rows_model
+    primary_layer = model.model.layers[0].self_attn.attn.layer_name
+    runner.aux_rows_addresses, runner.replays_past_the_rows = [], 0
+
+    def replayed(*inputs):
+        metadata = get_forward_context().attn_metadata
+        num_tokens = inputs[0].shape[0] if metadata is None else metadata[primary_layer].num_actual_tokens
+        runner.aux_rows_addresses.append(tuple(x.data_ptr() for x in inputs))
+        if inputs[0].shape[0] < num_tokens:
+            runner.replays_past_the_rows += 1
+        captured = [x.as_strided((num_tokens, *x.shape[1:]), x.stride(), x.storage_offset()) for x in inputs]
+        for view, x in zip(captured, inputs):
+            if view.is_floating_point():
+                view[x.shape[0] :] = math.nan
+        return piece(*captured)
+
+    object.__setattr__(model, "aux_rows_model", replayed)  # an instance attribute, in front of the submodule
+
+
+def replay_counts(worker):
+    runner = worker.model_runner
+    return runner.replays_past_the_rows, [len(set(call)) for call in zip(*runner.aux_rows_addresses)]
+
+
+def dynamic_sizes_of_compiled_pieces(worker):
+    """
+    In the engine process: each compiled piece traced again by torch.compile with the dimensions vLLM marks dynamic
+    (the piece's own `dynamic_arg_dims`), on the inputs of a dummy step; the number of distinct symbolic sizes in
+    each traced graph's inputs, by piece class name.
+    """
+    import torch
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+    from vllm.forward_context import set_forward_context
+
+    model = worker.model_runner.model
+    num_tokens, layers = 7, len(model.model.layers)
+    input_ids = torch.arange(num_tokens) + 6
+    positions = torch.arange(num_tokens)
+    entering = torch.zeros(num_tokens, layers, model.config.hidden_size)
+    sizes = {}
+    for piece in model.modules():
+        if getattr(piece, "_dynamic_arg_dims", None) is None:  # not a compiled piece
+            continue
+        kwargs = dict(input_ids=input_ids.clone(), positions=positions.clone())
+        if "entering" in piece._dynamic_arg_dims:
+            kwargs["entering"] = entering.clone()
+        for name, dim in piece._dynamic_arg_dims.items():
+            if name in kwargs:
+                torch._dynamo.mark_dynamic(kwargs[name], dim % kwargs[name].ndim)
+        symbols = set()
+
+        def record(graph, example_inputs, symbols=symbols):
+            for example in example_inputs:
+                symbols.update(free_symbols(example))
+            return graph.forward
+
+        torch._dynamo.reset()
+        with set_forward_context(None, worker.vllm_config):
+            torch.compile(piece.forward, backend=record)(**kwargs)
+        sizes[type(piece).__name__] = len(symbols)
+    return sizes
+
+
 def sampled_rows_of_micro_batches(worker):
     """In the engine process: the model's reading of a forward context holding two micro-batches' metadata (vLLM's
     dual-batch overlap), or the error it raises."""
@@ -76,15 +153,30 @@ def served(checkpoint):
         llm.collective_rpc(pad_sampled_rows_like_cuda_graphs)
         padded = served_greedy(llm, PROMPTS, MAX_NEW)
         calls = llm.collective_rpc(padded_attention_calls)[0]
+        llm.collective_rpc(replay_aux_rows_like_cuda_graphs)
+        replayed = served_greedy(llm, PROMPTS, MAX_NEW)
+        replays = llm.collective_rpc(replay_counts)[0]
         micro_batches = llm.collective_rpc(sampled_rows_of_micro_batches)[0]
+        dynamic_sizes = llm.collective_rpc(dynamic_sizes_of_compiled_pieces)[0]
         vllm_config = llm.llm_engine.vllm_config
-    return unpadded, padded, calls, micro_batches, vllm_config
+    return unpadded, padded, calls, micro_batches, vllm_config, replayed, replays, dynamic_sizes
 
 
 def test_padded_sampled_rows_give_the_unpadded_logits_exactly(served):
     unpadded, padded, calls = served[:3]
     assert calls > 0  # the padding reached the aux attention layers, with NaN in the rows it does not write
     assert [chosen_logprobs(output) for output in padded] == [chosen_logprobs(output) for output in unpadded]
+
+
+def test_mixed_steps_replaying_a_graph_captured_for_every_row_give_the_unpadded_logits_exactly(served):
+    unpadded, replayed, (replays_past_the_rows, addresses_per_input) = served[0], served[5], served[6]
+    assert replays_past_the_rows > 0  # mixed and prefill steps: fewer sampled rows than tokens
+    assert addresses_per_input == [1, 1, 1]  # token ids, positions, primary states: one address each, every step
+    assert [chosen_logprobs(output) for output in replayed] == [chosen_logprobs(output) for output in unpadded]
+
+
+def test_each_compiled_piece_has_one_dynamic_size(served):
+    assert served[7] == {"DualFlowModel": 1, "DualFlowEveryRowModel": 1, "DualFlowAuxRowsModel": 1}
 
 
 def chosen_logprobs(output) -> list[tuple[int, float]]:
