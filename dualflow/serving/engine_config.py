@@ -68,6 +68,14 @@ def check_supported(config, vllm_config) -> None:
             f"Dual-Flow in vLLM: the aux rows make an MoE call longer than the token budget that all2all_backend="
             f"{parallel.all2all_backend!r} sizes its buffers by; use all2all_backend='allgather_reducescatter'"
         )
+    cudagraph_mode = vllm_config.compilation_config.cudagraph_mode
+    if config.use_aux_flow and cudagraph_mode is not None and cudagraph_mode.mixed_mode() == cudagraph_mode.FULL:
+        # A full graph would freeze the per-step choice of pieces and the sampled-row count of the step it was
+        # captured in; piecewise graphs (the GPU default for such steps) leave both outside the graphs.
+        raise ValueError(
+            f"Dual-Flow in vLLM with the aux flow cannot run steps that mix prefill and decode in full CUDA graphs "
+            f"(cudagraph_mode={cudagraph_mode.name}): use FULL_AND_PIECEWISE, FULL_DECODE_ONLY or PIECEWISE"
+        )
     if vllm_config.lora_config is not None:
         raise ValueError("Dual-Flow in vLLM does not serve LoRA adapters: start without enable_lora")
     if config.use_aux_flow and vllm_config.model_config.enable_prompt_embeds:

@@ -195,6 +195,7 @@ def test_micro_batches_are_refused_in_one_line(served):
     [
         ({"enable_dbo": True}, "does not run dual-batch overlap"),
         ({"enable_lora": True}, "does not serve LoRA adapters"),
+        ({"compilation_config": {"cudagraph_mode": "FULL"}}, r"full CUDA graphs \(cudagraph_mode=FULL\): use"),
         ({"enable_prompt_embeds": True}, r"prompt embeddings \(enable_prompt_embeds\) need use_aux_flow=False"),
         (
             {"enable_expert_parallel": True, "all2all_backend": "deepep_low_latency"},
