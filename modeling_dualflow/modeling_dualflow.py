@@ -88,8 +88,10 @@ class DualFlowExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         output = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-            experts_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+            # One class more: under expert parallelism transformers gives the other ranks' experts the index
+            # num_experts, which this rank skips.
+            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            experts_hit = torch.greater(expert_mask[: self.num_experts].sum(dim=(-1, -2)), 0).nonzero()
         for expert_idx in experts_hit[:, 0]:
             slot, token_idx = torch.where(expert_mask[expert_idx])
             gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
