@@ -41,6 +41,7 @@ from .outputs_dualflow import (
     flows_of,
     hidden_states_to_return,
     record_flows,
+    returned_hidden_states,
 )
 
 
@@ -548,41 +549,23 @@ class DualFlowModel(DualFlowPreTrainedModel):
             hidden_states, row_positions, aux_positions, masks = self._stack_aux_rows(
                 input_ids, inputs_embeds, aux_inputs_embeds, aux_positions, position_ids, masks, cache, past_length
             )
-        cos, sin = self.rotary_emb(hidden_states, position_ids=row_positions)
-        layer_kwargs = dict(aux_positions=aux_positions, masks=masks, aux_top_k=aux_top_k, **kwargs)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
+        # The extra aux rounds get the cache too, and leave it alone: they attend to the first round's keys/values.
+        layer_kwargs = dict(aux_positions=aux_positions, masks=masks, aux_top_k=aux_top_k, cache=cache, **kwargs)
 
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         selected, input_state_returned = hidden_states_to_return(output_hidden_states, len(self.layers))
-        all_hidden_states, all_attentions = [], []
-        extra_rounds = num_rounds - 1 if aux_positions is not None else 0
-        first_round = []  # per layer, for the extra rounds: (primary state entering at aux positions, keys, values)
-        for index, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            if selected is not None:
-                hidden_states = record_flows(hidden_states, num_primary, all_hidden_states, index in selected)
-            entering = hidden_states[:, aux_positions] if extra_rounds else None
-            hidden_states, keys, values, *attn_weights = decoder_layer(
-                hidden_states,
-                num_primary=num_primary,
-                position_embeddings=(cos, sin),
-                cache=cache,
-                output_attentions=output_attentions,
-                **layer_kwargs,
+        keep_states = aux_positions is not None and num_rounds > 1  # what the extra aux rounds read
+        hidden_states, all_hidden_states, all_attentions, layer_states = self._first_round(
+            hidden_states, num_primary, position_embeddings, selected, output_attentions, keep_states, layer_kwargs
+        )
+        if keep_states:
+            hidden_states = self._extra_aux_rounds(
+                hidden_states, num_primary, position_embeddings, layer_states, num_rounds - 1, layer_kwargs
             )
-            if output_attentions and attn_weights[0] is not None:
-                all_attentions.append(attn_weights)
-            if extra_rounds:
-                first_round.append((entering, keys, values))
-        if extra_rounds:  # aux rows alone through the layers again, attending to the same primary keys/values
-            aux_states, aux_embeddings = hidden_states[:, num_primary:], (cos[:, num_primary:], sin[:, num_primary:])
-            for _ in range(extra_rounds):
-                for decoder_layer, layer_state in zip(self.layers, first_round):
-                    aux_states = decoder_layer(
-                        aux_states, *layer_state, num_primary=0, position_embeddings=aux_embeddings, **layer_kwargs
-                    )[0]
-            hidden_states = torch.cat([hidden_states[:, :num_primary], aux_states], dim=1)
 
         hidden_states = self.norm(hidden_states)
         last_hidden_state, aux_last_hidden_state = hidden_states, None
@@ -590,11 +573,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
             last_hidden_state, aux_last_hidden_state = hidden_states.split(
                 [num_primary, hidden_states.shape[1] - num_primary], dim=1
             )
-        if selected is not None:  # as in transformers' language models, the last entry is the final-normed state
-            last_selected = len(self.layers) in selected
-            all_hidden_states.append((last_hidden_state, aux_last_hidden_state) if last_selected else (None, None))
-            all_hidden_states = all_hidden_states[0 if input_state_returned else 1 :]
-        hidden_states, aux_hidden_states = flows_of(all_hidden_states) if selected is not None else (None, None)
+        hidden_states, aux_hidden_states = returned_hidden_states(
+            all_hidden_states, (last_hidden_state, aux_last_hidden_state), selected, input_state_returned
+        )
         attentions, aux_attentions = flows_of(all_attentions) if output_attentions else (None, None)
         aux_off = aux_positions is None
         return DualFlowModelOutputWithPast(
@@ -606,6 +587,43 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_hidden_states=None if aux_off else aux_hidden_states,
             aux_attentions=None if aux_off else aux_attentions,
         )
+
+    def _first_round(
+        self, hidden_states, num_primary, position_embeddings, selected, output_attentions, keep_states, layer_kwargs
+    ):
+        """
+        Both flows through every layer: the last output, the (primary, aux) states entering the layers in `selected`,
+        each layer's (primary, aux) attention weights and, with `keep_states`, what the extra aux rounds read.
+        """
+        all_hidden_states, all_attentions, layer_states = [], [], []
+        aux_positions = layer_kwargs["aux_positions"]
+        for index, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            if selected is not None:
+                hidden_states = record_flows(hidden_states, num_primary, all_hidden_states, index in selected)
+            entering = hidden_states[:, aux_positions] if keep_states else None
+            hidden_states, keys, values, *attn_weights = decoder_layer(
+                hidden_states,
+                num_primary=num_primary,
+                position_embeddings=position_embeddings,
+                output_attentions=output_attentions,
+                **layer_kwargs,
+            )
+            if output_attentions and attn_weights[0] is not None:
+                all_attentions.append(attn_weights)
+            if keep_states:
+                layer_states.append((entering, keys, values))
+        return hidden_states, all_hidden_states, all_attentions, layer_states
+
+    def _extra_aux_rounds(self, hidden_states, num_primary, position_embeddings, layer_states, rounds, layer_kwargs):
+        """The aux rows alone through the layers `rounds` times more, attending to the first round's keys/values."""
+        cos, sin = position_embeddings
+        aux_states, aux_embeddings = hidden_states[:, num_primary:], (cos[:, num_primary:], sin[:, num_primary:])
+        for _ in range(rounds):
+            for decoder_layer, layer_state in zip(self.layers, layer_states):
+                aux_states = decoder_layer(
+                    aux_states, *layer_state, num_primary=0, position_embeddings=aux_embeddings, **layer_kwargs
+                )[0]
+        return torch.cat([hidden_states[:, :num_primary], aux_states], dim=1)
 
 
 def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bool:
@@ -801,40 +819,20 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        # One LM-head call over the rows that need logits; stacking on the batch dim keeps both halves contiguous.
-        primary_rows = outputs.last_hidden_state
-        if not keep_all:
-            # `.to`: under a device_map the last layer may sit on another device than the inputs.
-            primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
-        if use_aux_flow:
-            all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
-            primary_logits, logits = all_logits.split(primary_rows.shape[0], dim=0)
-        else:
-            primary_logits = logits = self.lm_head(primary_rows)
-
+        primary_logits, logits = self._flow_logits(outputs, keep_positions, keep_all, use_aux_flow)
         loss = None
         if labels is not None:
             if not keep_all:
                 raise ValueError("labels need logits at every position: leave logits_to_keep at 0")
-            loss = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
-            if use_aux_flow:
-                aux_ce = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-                loss = aux_ce + self.config.primary_loss_weight * loss
-
+            loss = self._lm_loss(primary_logits, logits if use_aux_flow else None, labels, **kwargs)
         aux_loss = None
         if output_router_logits and outputs.router_logits:
             aux_loss = self._router_balance_loss(
                 outputs, attention_mask, seq_len, keep_positions, aux_num_experts_per_tok
             )
             if loss is not None:
-                balance_loss = self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-                # With `num_items_in_batch` (Trainer's gradient accumulation) the CE terms are already divided by the
-                # whole accumulated batch and Trainer no longer divides by the steps: weigh this micro-batch's mean
-                # balance loss by its share of the label tokens, or it would count once per accumulation step.
-                num_items_in_batch = kwargs.get("num_items_in_batch")
-                if num_items_in_batch is not None:
-                    balance_loss = balance_loss * (labels[..., 1:] != -100).sum() / num_items_in_batch
-                loss = loss + balance_loss
+                balance_loss = aux_loss.to(loss.device)
+                loss = loss + self._balance_loss_term(balance_loss, labels, kwargs.get("num_items_in_batch"))
 
         return DualFlowCausalLMOutputWithPast(
             loss=loss,
@@ -849,6 +847,38 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             aux_attentions=outputs.aux_attentions,
             aux_router_logits=outputs.aux_router_logits,
         )
+
+    def _flow_logits(self, outputs, keep_positions, keep_all, use_aux_flow):
+        """The (primary, predicted) logits at the kept positions; the prediction is the aux flow's when it ran."""
+        primary_rows = outputs.last_hidden_state
+        if not keep_all:
+            # `.to`: under a device_map the last layer may sit on another device than the inputs.
+            primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
+        if not use_aux_flow:
+            primary_logits = self.lm_head(primary_rows)
+            return primary_logits, primary_logits
+        # One LM-head call over the rows that need logits; stacking on the batch dim keeps both halves contiguous.
+        all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
+        primary_logits, aux_logits = all_logits.split(primary_rows.shape[0], dim=0)
+        return primary_logits, aux_logits
+
+    def _lm_loss(self, primary_logits, aux_logits, labels, **kwargs):
+        """CE(aux) + primary_loss_weight * CE(primary) with the aux flow on, CE(primary) with it off."""
+        primary_ce = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
+        if aux_logits is None:
+            return primary_ce
+        aux_ce = self.loss_function(aux_logits, labels, self.vocab_size, **kwargs)
+        return aux_ce + self.config.primary_loss_weight * primary_ce
+
+    def _balance_loss_term(self, balance_loss, labels, num_items_in_batch):
+        """The router balance loss as the training loss adds it: weighted by `router_aux_loss_coef`."""
+        term = self.config.router_aux_loss_coef * balance_loss
+        if num_items_in_batch is not None:
+            # With `num_items_in_batch` (Trainer's gradient accumulation) the CE terms are already divided by the whole
+            # accumulated batch and Trainer no longer divides by the steps: weigh this micro-batch's mean balance loss
+            # by its share of the label tokens, or it would count once per accumulation step.
+            term = term * (labels[..., 1:] != -100).sum() / num_items_in_batch
+        return term
 
     def _router_balance_loss(self, outputs, attention_mask, seq_len, keep_positions, aux_top_k):
         """

@@ -88,3 +88,15 @@ def record_flows(states: torch.Tensor, num_primary: int, recorded: list, selecte
 def flows_of(per_layer: list) -> tuple[tuple, tuple]:
     """Per-layer (primary, aux) pairs as a tuple of each flow's entries."""
     return tuple(entry[0] for entry in per_layer), tuple(entry[1] for entry in per_layer)
+
+
+def returned_hidden_states(recorded: list, final_states: tuple, selected: set[int] | None, input_state_returned: bool):
+    """
+    Each flow's returned hidden states: those `record_flows` recorded entering the layers, then, as in transformers'
+    language models, the final-normed `(primary, aux)` states as the last entry; (None, None) when none were asked for.
+    """
+    if selected is None:
+        return None, None
+    num_layers = len(recorded)
+    recorded = [*recorded, final_states if num_layers in selected else (None, None)]
+    return flows_of(recorded[0 if input_state_returned else 1 :])
