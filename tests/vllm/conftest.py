@@ -3,11 +3,13 @@ vLLM tests: they run only in .venv-vllm (`bash scripts/bootstrap_vllm.sh`, then 
 tests/vllm`). Where vLLM is not installed (the main .venv) pytest does not collect them at all, so they are never
 counted as skipped or passed there.
 
-One engine per test module: a vLLM engine takes tens of seconds to start on CPU.
+A vLLM engine takes tens of seconds to start on CPU: the engines run in the test process, and the test modules that
+serve the same checkpoint with the same engine arguments share one (`engines`), one after another.
 """
 
 import os
 from importlib.metadata import packages_distributions
+from pathlib import Path
 
 
 # Installed distributions only: with tests/ on sys.path, this folder itself would look like an importable `vllm`.
@@ -16,7 +18,10 @@ if "vllm" not in packages_distributions():
 
 # The KV cache of a CPU engine, in GiB; the default would reserve a large share of this machine's memory.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# `LLM.apply_model` sends a test module's function to the engine process (pickled): tests read the served model.
+# The engines run in this process: by default each engine starts an engine-core process and a worker process, each
+# importing vLLM and torch again (tens of seconds of CPU per engine). The vLLM server test runs the default.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# `LLM.apply_model` runs a test module's function on the served model; in an engine process of its own, pickled.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
@@ -28,3 +33,74 @@ def checkpoint(tmp_path_factory):
     from vllm_reference import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("vllm-checkpoint"))
+
+
+@pytest.fixture(scope="session")
+def adapter_checkpoint(tmp_path_factory):
+    """Two aux rounds and aux adapters: every aux-flow part a checkpoint can carry."""
+    from vllm_reference import ADAPTER_RANK, build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("vllm-adapters"), aux_rounds=2, aux_adapter_rank=ADAPTER_RANK)
+
+
+class SharedEngines:
+    """
+    The engine last asked for, by (checkpoint, engine arguments), kept for the next test that asks for the same one.
+    A CPU engine holds its own KV cache (VLLM_CPU_KVCACHE_SPACE), so one is alive at a time: asking for another shuts
+    it down. `MODULES_BY_ENGINE` puts the modules that share an engine next to each other.
+    """
+
+    def __init__(self):
+        self.key, self.llm = None, None
+
+    def get(self, checkpoint, **engine_args):
+        from vllm_reference import start_engine
+
+        key = (str(checkpoint), repr(sorted(engine_args.items())))
+        if key != self.key:
+            self.close()
+            self.llm, self.key = start_engine(checkpoint, **engine_args), key
+        return self.llm
+
+    def close(self):
+        """Shut the engine down (also for a test that changed it in a way the next user must not see)."""
+        from vllm_reference import shut_down
+
+        if self.llm is not None:
+            llm, self.llm, self.key = self.llm, None, None
+            shut_down(llm)
+
+
+@pytest.fixture(scope="session")
+def engines():
+    shared = SharedEngines()
+    yield shared
+    shared.close()
+
+
+# The modules that share an engine, next to each other (in the order their engines need: test_vllm_gpu_runner changes
+# its engine's worker, so it runs last on it); modules not named run after these, in pytest's order.
+MODULES_BY_ENGINE = [
+    "test_vllm_parity.py",  # the checkpoint, with prefix caching and chunked prefill
+    "test_vllm_gpu_runner.py",
+    "test_vllm_aux_rounds.py",  # the adapter checkpoint: aux flow on, then off
+    "test_vllm_aux_adapters.py",
+    "test_vllm_primary_only.py",
+]
+
+
+# Its n-gram speculation imports numba, and at every later engine start in this process vLLM 0.32's scan of sys.modules
+# for kernels fails on llvmlite's objects ("'_lib_fn_wrapper' object has no attribute 'get'").
+RUNS_LAST = "test_vllm_aux_top_k.py"
+
+
+def pytest_collection_modifyitems(items):
+    def position(item):
+        name = item.path.name
+        if item.path.parent != Path(__file__).parent:
+            return len(MODULES_BY_ENGINE)
+        if name == RUNS_LAST:
+            return len(MODULES_BY_ENGINE) + 1
+        return MODULES_BY_ENGINE.index(name) if name in MODULES_BY_ENGINE else len(MODULES_BY_ENGINE)
+
+    items.sort(key=position)

@@ -4,10 +4,11 @@ aux rows in every round, so greedy tokens and logprobs equal transformers'; a pr
 import pytest
 import torch
 from vllm_reference import (
+    ADAPTER_RANK,
     AUX_ADAPTERS,
+    PREFIX_CACHING_AND_CHUNKED_PREFILL,
     assert_matches_transformers,
     aux_parameter_names,
-    build_checkpoint,
     load_reference,
     random_prompts,
     running_engine,
@@ -16,13 +17,7 @@ from vllm_reference import (
 
 
 MAX_NEW = 8
-RANK = 4
 PROMPTS = random_prompts([5, 27, 53], seed=5)  # 53 > the 48-token budget: prefilled in chunks
-
-
-@pytest.fixture(scope="module")
-def adapter_checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("vllm-adapters"), aux_rounds=2, aux_adapter_rank=RANK)
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +25,9 @@ def reference(adapter_checkpoint):
     return load_reference(adapter_checkpoint)
 
 
-def test_aux_adapters_match_transformers(adapter_checkpoint, reference):
-    assert (reference.config.aux_adapter_rank, reference.config.aux_num_rounds) == (RANK, 2)
-    with running_engine(adapter_checkpoint, enable_prefix_caching=True, enable_chunked_prefill=True) as engine:
-        outputs = served_greedy(engine, PROMPTS, MAX_NEW)
+def test_aux_adapters_match_transformers(engines, adapter_checkpoint, reference):
+    assert (reference.config.aux_adapter_rank, reference.config.aux_num_rounds) == (ADAPTER_RANK, 2)
+    outputs = served_greedy(engines.get(adapter_checkpoint, **PREFIX_CACHING_AND_CHUNKED_PREFILL), PROMPTS, MAX_NEW)
     assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW)
     # Each kind of adapter matters: without it, transformers' output is outside the tolerance of the served one.
     for name in AUX_ADAPTERS:
@@ -45,18 +39,18 @@ def test_aux_adapters_match_transformers(adapter_checkpoint, reference):
             assert_matches_transformers(outputs, PROMPTS, ablated, MAX_NEW)
 
 
-def test_primary_only_engine_skips_the_aux_weights(adapter_checkpoint, reference):
+def test_primary_only_engine_skips_the_aux_weights(engines, adapter_checkpoint, reference):
     # Neither adapters, couplings nor round gates (of this two-round checkpoint) are built: their weights in the
-    # checkpoint must not stop the engine loading.
-    with running_engine(adapter_checkpoint, hf_overrides={"use_aux_flow": False}) as engine:
-        assert engine.apply_model(aux_parameter_names) == [[]]
-        outputs = served_greedy(engine, PROMPTS, MAX_NEW)
+    # checkpoint must not stop the engine loading. (test_vllm_primary_only.py serves more from this engine.)
+    engine = engines.get(adapter_checkpoint, hf_overrides={"use_aux_flow": False})
+    assert engine.apply_model(aux_parameter_names) == [[]]
+    outputs = served_greedy(engine, PROMPTS, MAX_NEW)
     assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW, use_aux_flow=False)
 
 
 def test_another_adapter_rank_is_refused(adapter_checkpoint, checkpoint):
     # The adapters are weights of the checkpoint: an override can neither drop them nor add them.
-    for folder, override, stored in [(adapter_checkpoint, 0, RANK), (checkpoint, RANK, 0)]:
+    for folder, override, stored in [(adapter_checkpoint, 0, ADAPTER_RANK), (checkpoint, ADAPTER_RANK, 0)]:
         message = rf"aux_adapter_rank={override} does not match this checkpoint's aux adapters \(rank {stored}\)"
         with (
             pytest.raises(ValueError, match=message),

@@ -1,10 +1,11 @@
 """`aux_num_rounds` = 2 (issue 13): the aux rows pass through the layers twice, the second time alone, coupled to the
-same primary states and reading the same paged K/V; greedy tokens and logprobs equal transformers'."""
+same primary states and reading the same paged K/V; greedy tokens and logprobs equal transformers'. On the two-round
+checkpoint that also carries aux adapters, served by test_vllm_aux_adapters.py's engine."""
 
 import pytest
 from vllm_reference import (
+    PREFIX_CACHING_AND_CHUNKED_PREFILL,
     assert_matches_transformers,
-    build_checkpoint,
     hf_greedy,
     load_reference,
     random_prompts,
@@ -17,19 +18,9 @@ MAX_NEW = 8
 PROMPTS = random_prompts([6, 30, 55], seed=4)  # 55 > the 48-token budget: prefilled in chunks
 
 
-@pytest.fixture(scope="module")
-def rounds_checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("vllm-rounds"), aux_rounds=2)
-
-
-@pytest.fixture(scope="module")
-def engine(rounds_checkpoint):
-    with running_engine(rounds_checkpoint, enable_prefix_caching=True, enable_chunked_prefill=True) as llm:
-        yield llm
-
-
-def test_two_aux_rounds_match_transformers(engine, rounds_checkpoint):
-    reference = load_reference(rounds_checkpoint)
+def test_two_aux_rounds_match_transformers(engines, adapter_checkpoint):
+    engine = engines.get(adapter_checkpoint, **PREFIX_CACHING_AND_CHUNKED_PREFILL)
+    reference = load_reference(adapter_checkpoint)
     assert reference.config.aux_num_rounds == 2
     outputs = served_greedy(engine, PROMPTS, MAX_NEW)
     assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW)

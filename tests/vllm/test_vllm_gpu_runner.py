@@ -9,7 +9,7 @@ import math
 
 import pytest
 import vllm
-from vllm_reference import random_prompts, running_engine, served_greedy
+from vllm_reference import PREFIX_CACHING_AND_CHUNKED_PREFILL, random_prompts, running_engine, served_greedy
 
 from dualflow.serving import vllm_internals
 from dualflow.serving.engine_config import check_supported
@@ -145,20 +145,30 @@ def sampled_rows_of_micro_batches(worker):
             return str(error)
 
 
+def served_from_an_empty_prefix_cache(llm):
+    """PROMPTS served so that each serving prefills the same steps: no prompt block is found in the cache."""
+    assert llm.reset_prefix_cache()
+    return served_greedy(llm, PROMPTS, MAX_NEW)
+
+
 @pytest.fixture(scope="module")
-def served(checkpoint):
-    """The same prompts served twice by one engine (aux flow on, chunked prefill), before and after the padding."""
-    with running_engine(checkpoint, enable_chunked_prefill=True, enable_prefix_caching=False) as llm:
-        unpadded = served_greedy(llm, PROMPTS, MAX_NEW)
+def served(engines, checkpoint):
+    """The same prompts served three times by test_vllm_parity's engine (aux flow on, chunked prefill): unpadded, padded,
+    replayed. The simulation stays in the engine's worker, so the engine is shut down after."""
+    llm = engines.get(checkpoint, **PREFIX_CACHING_AND_CHUNKED_PREFILL)
+    try:
+        unpadded = served_from_an_empty_prefix_cache(llm)
         llm.collective_rpc(pad_sampled_rows_like_cuda_graphs)
-        padded = served_greedy(llm, PROMPTS, MAX_NEW)
+        padded = served_from_an_empty_prefix_cache(llm)
         calls = llm.collective_rpc(padded_attention_calls)[0]
         llm.collective_rpc(replay_aux_rows_like_cuda_graphs)
-        replayed = served_greedy(llm, PROMPTS, MAX_NEW)
+        replayed = served_from_an_empty_prefix_cache(llm)
         replays = llm.collective_rpc(replay_counts)[0]
         micro_batches = llm.collective_rpc(sampled_rows_of_micro_batches)[0]
         dynamic_sizes = llm.collective_rpc(dynamic_sizes_of_compiled_pieces)[0]
         vllm_config = llm.llm_engine.vllm_config
+    finally:
+        engines.close()
     return unpadded, padded, calls, micro_batches, vllm_config, replayed, replays, dynamic_sizes
 
 

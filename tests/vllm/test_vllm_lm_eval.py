@@ -9,12 +9,19 @@ import pytest
 from lm_eval.models.huggingface import HFLM
 from lm_eval.models.vllm_causallms import VLLM
 from lm_eval.tasks import TaskManager
-from vllm_reference import ENGINE_ARGS, load_reference, random_prompts, word_tokenizer
+from vllm_reference import (
+    ENGINE_ARGS,
+    LOGPROB_TOLERANCE,
+    assert_logprobs_close,
+    load_reference,
+    random_prompts,
+    word_tokenizer,
+)
 
 
 TASK = "dualflow_local_choice"
 PREFIX_TOKEN_ID = 1  # "<s>": the word tokenizer has no end-of-text token, lm-eval's default prefix
-LOGLIKELIHOOD_TOLERANCE = 1e-3  # summed over a continuation of up to 3 tokens, fp32
+LOGLIKELIHOOD_TOLERANCE = 3 * LOGPROB_TOLERANCE  # summed over a continuation of up to 3 tokens
 
 
 @pytest.fixture(scope="module")
@@ -67,4 +74,4 @@ def test_vllm_backend_equals_transformers_backend(checkpoint, task_manager):
         lm.model.llm_engine.engine_core.shutdown()
     assert vllm_acc == hf_acc
     for served, expected in zip(vllm_loglikelihoods, hf_loglikelihoods, strict=True):
-        assert max(abs(a - b) for a, b in zip(served, expected, strict=True)) <= LOGLIKELIHOOD_TOLERANCE
+        assert_logprobs_close(served, expected, LOGLIKELIHOOD_TOLERANCE)

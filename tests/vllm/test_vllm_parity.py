@@ -5,11 +5,11 @@ import pytest
 from vllm_reference import (
     AUX_TOP_K,
     ENGINE_ARGS,
+    PREFIX_CACHING_AND_CHUNKED_PREFILL,
     assert_matches_transformers,
     hf_greedy,
     load_reference,
     random_prompts,
-    running_engine,
     served_greedy,
 )
 
@@ -20,9 +20,8 @@ PROMPTS = random_prompts([3, 17, 40, 29])
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
-    with running_engine(checkpoint, enable_prefix_caching=True, enable_chunked_prefill=True) as llm:
-        yield llm
+def engine(engines, checkpoint):
+    return engines.get(checkpoint, **PREFIX_CACHING_AND_CHUNKED_PREFILL)
 
 
 @pytest.fixture(scope="module")

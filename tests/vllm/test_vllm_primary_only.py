@@ -1,18 +1,18 @@
 """`hf_overrides={"use_aux_flow": False}` serves the primary flow alone: the base model, token for token, and the
-only Dual-Flow engine whose prompt logprobs vLLM allows (with the aux flow on, vLLM's fast prefill refuses them)."""
+only Dual-Flow engine whose prompt logprobs vLLM allows (with the aux flow on, vLLM's fast prefill refuses them). On the
+checkpoint with every aux-flow part (two rounds, adapters), none of which the primary flow reads."""
 
 import pytest
 import torch
 from transformers import Qwen3MoeForCausalLM
 from vllm import SamplingParams
 from vllm_reference import (
-    LOGPROB_TOLERANCE,
+    assert_logprobs_close,
     assert_matches_transformers,
     aux_parameter_names,
     hf_greedy,
     load_reference,
     random_prompts,
-    running_engine,
     served_greedy,
 )
 
@@ -22,9 +22,13 @@ PROMPTS = random_prompts([5, 33, 21])
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
-    with running_engine(checkpoint, hf_overrides={"use_aux_flow": False}) as llm:
-        yield llm
+def checkpoint(adapter_checkpoint):
+    return adapter_checkpoint
+
+
+@pytest.fixture(scope="module")
+def engine(engines, checkpoint):
+    return engines.get(checkpoint, hf_overrides={"use_aux_flow": False})  # test_vllm_aux_adapters.py's too
 
 
 def test_primary_engine_is_the_base_model(engine, checkpoint):
@@ -37,7 +41,8 @@ def test_primary_engine_is_the_base_model(engine, checkpoint):
 
 
 def test_primary_engine_builds_no_aux_weights(engine):
-    # neither the aux embedding nor the couplings: the checkpoint's aux weights are skipped, not loaded
+    # neither the aux embedding, the couplings, the round gates nor the adapters: the checkpoint's aux weights are
+    # skipped, not loaded
     assert engine.apply_model(aux_parameter_names) == [[]]
 
 
@@ -49,4 +54,4 @@ def test_prompt_logprobs_are_the_base_models(engine, checkpoint):
     served = [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], prompt[1:])]
     logits = load_reference(checkpoint)(torch.tensor([prompt]), use_aux_flow=False).logits[0]
     expected = torch.log_softmax(logits.double(), -1)[torch.arange(len(prompt) - 1), prompt[1:]].tolist()
-    assert max(abs(a - b) for a, b in zip(served, expected)) <= LOGPROB_TOLERANCE
+    assert_logprobs_close(served, expected)

@@ -8,6 +8,7 @@ from vllm import SamplingParams
 from vllm_reference import (
     ENGINE_ARGS,
     LOGPROB_TOLERANCE,
+    assert_logprobs_close,
     assert_matches_transformers,
     load_reference,
     random_prompts,
@@ -41,7 +42,7 @@ def test_prompt_logprobs_are_the_aux_flows(engine, reference):
         primary = torch.log_softmax(forward.primary_logits[0].double(), -1)
         served = [step[token].logprob for step, token in zip(output.prompt_logprobs[1:], prompt[1:])]
         expected = [aux[i, token].item() for i, token in enumerate(prompt[1:])]
-        assert max(abs(a - b) for a, b in zip(served, expected)) <= LOGPROB_TOLERANCE
+        assert_logprobs_close(served, expected)
         # and not the base model's prediction (what the rows other than the sampled ones would give without the option)
         base = [primary[i, token].item() for i, token in enumerate(prompt[1:])]
         assert max(abs(a - b) for a, b in zip(served, base)) > 10 * LOGPROB_TOLERANCE
