@@ -43,6 +43,14 @@ def adapter_checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("vllm-adapters"), aux_rounds=2, aux_adapter_rank=ADAPTER_RANK)
 
 
+@pytest.fixture(scope="session")
+def shared_expert_checkpoint(tmp_path_factory):
+    """A Qwen2-MoE conversion: a gated shared expert beside the routed experts."""
+    from vllm_reference import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("vllm-qwen2-moe"), family="qwen2_moe")
+
+
 class SharedEngines:
     """
     The engine last asked for, by (checkpoint, engine arguments), kept for the next test that asks for the same one.

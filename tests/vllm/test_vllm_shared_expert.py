@@ -6,7 +6,6 @@ import pytest
 from vllm_reference import (
     AUX_TOP_K,
     assert_matches_transformers,
-    build_checkpoint,
     load_reference,
     random_prompts,
     running_engine,
@@ -16,11 +15,6 @@ from vllm_reference import (
 
 MAX_NEW = 8
 PROMPTS = random_prompts([4, 19, 30], seed=6)
-
-
-@pytest.fixture(scope="module")
-def shared_expert_checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("vllm-qwen2-moe"), family="qwen2_moe")
 
 
 def shared_expert_placement(model):

@@ -5,10 +5,8 @@ expert."""
 import pytest
 from vllm_reference import (
     assert_matches_transformers,
-    build_checkpoint,
     load_reference,
     random_prompts,
-    running_engine,
     served_greedy,
 )
 
@@ -23,20 +21,14 @@ def attention_heads(model):
     return model.model.layers[0].self_attn.num_heads
 
 
-@pytest.fixture(scope="module")
-def shared_expert_checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("vllm-tp-qwen2-moe"), family="qwen2_moe")
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
 def test_tensor_parallel_2_matches_transformers(family, checkpoint, shared_expert_checkpoint, engines, monkeypatch):
     folder = checkpoint if family == "qwen3_moe" else shared_expert_checkpoint
     reference = load_reference(folder)
     # vLLM's CPU workers bind their threads to NUMA nodes by default, and this machine may have one: a core each
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    engines.close()  # one engine alive at a time (conftest.py)
-    with running_engine(folder, tensor_parallel_size=2) as engine:
-        heads = engine.apply_model(attention_heads)
-        outputs = served_greedy(engine, PROMPTS, MAX_NEW)
+    engine = engines.get(folder, tensor_parallel_size=2)
+    heads = engine.apply_model(attention_heads)
+    outputs = served_greedy(engine, PROMPTS, MAX_NEW)
     assert heads == [reference.config.num_attention_heads // 2] * 2
     assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW)
