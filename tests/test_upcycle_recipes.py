@@ -111,6 +111,7 @@ def test_rounds_depth_and_equal_compute_recipes_run_and_report_both_deltas(tmp_p
         "dual full r2 ka=2kp": "single continued, compute of dual full r2 ka=2kp",
         "dual full r2 ka=2kp gate lr x10": "single continued, compute of dual full r2 ka=2kp",  # same FLOPs per token
         "dual full r3 ka=2kp gate lr x10": "single continued, compute of dual full r3 ka=2kp gate lr x10",
+        "dual full r2 ka=2kp gates open": "single continued, compute of dual full r2 ka=2kp",
     }
     for name, partner in partners.items():
         runs, partner_runs = recipes[name]["runs"], recipes[partner]["runs"]
@@ -135,6 +136,8 @@ def test_rounds_depth_and_equal_compute_recipes_run_and_report_both_deltas(tmp_p
     for seed in (0, 1):
         x1, x10 = (recipes[name]["runs"][seed]["round_gate_mean_abs"] for name in list(partners)[1:3])
         assert x10 > x1 > 0
+        # opened at the start: near 1 after a few steps at the common rate, where the closed ones stay near 0
+        assert recipes["dual full r2 ka=2kp gates open"]["runs"][seed]["round_gate_mean"] > 0.9 > 0.1 > x1
 
 
 def test_base_steps_study_fits_the_gains_trend_per_seed_and_resumes(tmp_path, capsys):

@@ -56,7 +56,9 @@ class Recipe:
     scale's learning rate. `aux_rounds`: converted with that many aux rounds (`--aux-rounds`, closed gates), whose
     gates train at `round_gate_lr_factor` x the rate. `depth_factor`: the single-flow model with each layer repeated
     that many times in place (depth up-scaling). `compute_of`: continue for the training FLOPs that recipe spends
-    in the continued steps (more steps, new batches) instead of for the same tokens.
+    in the continued steps (more steps, new batches) instead of for the same tokens. `round_gates_open`: the round
+    gates set to 1 after conversion, as a new model starts them (the converted model then no longer computes as the
+    base; training starts from there).
     """
 
     name: str
@@ -69,6 +71,7 @@ class Recipe:
     round_gate_lr_factor: float = 1.0
     depth_factor: int = 1
     compute_of: str | None = None
+    round_gates_open: bool = False
 
 
 def equal_compute(reference: str) -> Recipe:
@@ -104,8 +107,8 @@ LEARNING_RATE_RECIPES = tuple(
     for factor in LEARNING_RATE_FACTORS
 )
 # Buying depth after pretraining: the aux flow converted with more rounds (closed gates, exact parity), the gates
-# trained at 10x the rate so they can open within the continued steps, against depth up-scaling (2x prefill and KV)
-# and the single-flow model continued for each one's compute.
+# trained at 10x the rate so they can open within the continued steps, or opened at the start, against depth
+# up-scaling (2x prefill and KV) and the single-flow model continued for each one's compute.
 GATE_LR_FACTOR = 10.0
 R3_FAST_GATES = f"dual full r3 ka=2kp gate lr x{GATE_LR_FACTOR:g}"
 DEPTH_UPSCALED = "single depth 2x (layers repeated)"
@@ -115,6 +118,8 @@ ROUNDS_RECIPES = (
         f"dual full r2 ka=2kp gate lr x{GATE_LR_FACTOR:g}", 2, "all", aux_rounds=2, round_gate_lr_factor=GATE_LR_FACTOR
     ),
     Recipe(R3_FAST_GATES, 2, "all", aux_rounds=3, round_gate_lr_factor=GATE_LR_FACTOR),
+    # the gates where training from scratch found the rounds' gain: open from the first step, parity given up
+    Recipe("dual full r2 ka=2kp gates open", 2, "all", aux_rounds=2, round_gates_open=True),
     Recipe(DEPTH_UPSCALED, None, "all", depth_factor=2),
     equal_compute("dual full r2 ka=2kp"),
     equal_compute(R3_FAST_GATES),
@@ -243,6 +248,10 @@ def trainable_model(recipe: Recipe, folder: Path):
     model = DualFlowForCausalLM.from_pretrained(folder, use_aux_flow=dual)
     if recipe.depth_factor > 1:
         model = depth_upscaled(model, recipe.depth_factor)
+    if recipe.round_gates_open:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.aux_round_gate.weight.fill_(1.0)
     if recipe.train == "lora":
         rank = recipe.lora_rank or adapter_budget_lora_rank(folder)
         return add_lora(model, r=rank, lora_alpha=2 * rank, train_aux_modules=recipe.aux_factor is not None)
