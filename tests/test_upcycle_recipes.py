@@ -200,3 +200,23 @@ def test_base_length_trend_on_known_numbers():
         report(1800, [-0.003, -0.003 + 1e-12]),
     ]  # far from 0 in doublings: no overflow
     assert base_length_trend(flat)[0]["doublings_to_zero"] > 1e6
+
+
+def test_gentle_rate_dual_recipe_is_compared_with_the_single_flow_of_its_own_rate(tmp_path, capsys):
+    out = tmp_path / "gentle"
+    argv = QUICK_UPCYCLE + ["--steps", "4", "--arms", "dual full ka=2kp", "gentle", "--out", str(out)] + DATA
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    recipes = {recipe["name"]: recipe for recipe in json.loads((out / "upcycle.json").read_text())["recipes"]}
+    assert set(recipes) == {"single continued", "dual full ka=2kp", *RECIPE_GROUPS["gentle"]}
+    gentle_single, gentle_dual = RECIPE_GROUPS["gentle"]
+    assert recipes[gentle_dual]["learning_rate_factor"] == pytest.approx(1 / 3)
+    for dual, single in (("dual full ka=2kp", "single continued"), (gentle_dual, gentle_single)):
+        assert recipes[dual]["single_continued"] == single
+        singles = {run["seed"]: run["primary_val_loss"] for run in recipes[single]["runs"]}
+        deltas = [run["aux_val_loss"] - singles[run["seed"]] for run in recipes[dual]["runs"]]
+        assert recipes[dual]["prediction_vs_single_continued"]["mean"] == pytest.approx(sum(deltas) / 2)
+    # the gentle single flow itself is measured against the common rate's, and trained differently from it
+    assert recipes[gentle_single]["single_continued"] == "single continued"
+    assert recipes[gentle_single]["prediction_vs_single_continued"]["mean"] != 0
+    assert "(vs lr x0.33)" in printed

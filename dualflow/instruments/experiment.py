@@ -80,7 +80,7 @@ def build_parser(prog: str = "dualflow experiment") -> argparse.ArgumentParser:
         nargs="+",
         metavar="ARM",
         help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default). Arms: {', '.join(repr(n) for n in ARMS_BY_NAME)}. "
-        "With --regime upcycle: recipes or groups (default, lr, compute, rounds, all)",
+        "With --regime upcycle: recipes or groups (default, lr, gentle, compute, rounds, all)",
     )
     parser.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
     parser.add_argument(

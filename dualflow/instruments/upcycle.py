@@ -106,6 +106,14 @@ LEARNING_RATE_RECIPES = tuple(
     in ("dual lora+aux ka=2kp", "dual aux-only ka=2kp", "dual aux-only+adapters ka=2kp", "single lora r16")
     for factor in LEARNING_RATE_FACTORS
 )
+# A gentler continuation for a well-trained base, which the common rate leaves worse than it was: the full single
+# and dual fine-tunes at a third of the rate; the dual one is compared with the single one of its own rate.
+GENTLE_RATE_FACTOR = 1 / 3
+GENTLE_RATE_RECIPES = tuple(
+    replace(recipe, name=f"{recipe.name} lr x{GENTLE_RATE_FACTOR:.2g}", learning_rate_factor=GENTLE_RATE_FACTOR)
+    for recipe in DEFAULT_RECIPES
+    if recipe.name in ("single continued", "dual full ka=2kp")
+)
 # Buying depth after pretraining: the aux flow converted with more rounds (closed gates, exact parity), the gates
 # trained at 10x the rate so they can open within the continued steps, or opened at the start, against depth
 # up-scaling (2x prefill and KV) and the single-flow model continued for each one's compute.
@@ -125,11 +133,12 @@ ROUNDS_RECIPES = (
     equal_compute(R3_FAST_GATES),
     equal_compute(DEPTH_UPSCALED),
 )
-RECIPES = DEFAULT_RECIPES + LEARNING_RATE_RECIPES + ROUNDS_RECIPES
+RECIPES = DEFAULT_RECIPES + LEARNING_RATE_RECIPES + GENTLE_RATE_RECIPES + ROUNDS_RECIPES
 RECIPES_BY_NAME = {recipe.name: recipe for recipe in RECIPES}
 RECIPE_GROUPS = {
     "default": tuple(recipe.name for recipe in DEFAULT_RECIPES),
     "lr": tuple(recipe.name for recipe in LEARNING_RATE_RECIPES),
+    "gentle": tuple(recipe.name for recipe in GENTLE_RATE_RECIPES),
     # the base-length study: dual full k_a = 2 k_p beside single continued for its tokens and for its compute
     "compute": ("single continued", "single continued, compute of dual full ka=2kp", "dual full ka=2kp"),
     "rounds": ("dual full ka=2kp", "single continued, compute of dual full ka=2kp")
@@ -350,7 +359,8 @@ def paired(runs: list[dict], baseline_runs: list[dict], key: str) -> dict | None
 
 def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
     """
-    Per recipe: losses over seeds and their paired differences to the single-flow continued model, to the base, and
+    Per recipe: losses over seeds and their paired differences to the single-flow continued model (a dual recipe's:
+    the one at its own learning rate, where the report has it), to the base, and
     (dual recipes) to the single-flow model continued for the same training FLOPs per token, where the report has it,
     and their gain's share of depth up-scaling's (both over single continued; 2 seeds or more).
     """
@@ -368,12 +378,20 @@ def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
         for recipe in recipes
         if recipe.compute_of is not None and recipe.compute_of in flops
     }
+    single_continued_at_rate = {  # learning-rate factor -> the single-flow model continued at that rate
+        recipe.learning_rate_factor: recipe.name
+        for recipe in recipes
+        if recipe.aux_factor is None and recipe.train == "all" and recipe.depth_factor == 1 and not recipe.compute_of
+    }
     depth_gain = paired(runs_of(DEPTH_UPSCALED), as_baseline(runs_of(BASELINE)), "primary_val_loss")
     summary = []
     for recipe in recipes:
         runs = runs_of(recipe.name)
         key = "aux_val_loss" if recipe.aux_factor else "primary_val_loss"
-        entry = {"name": recipe.name, **asdict(recipe), "runs": runs}
+        single_continued = BASELINE
+        if recipe.aux_factor:
+            single_continued = single_continued_at_rate.get(recipe.learning_rate_factor, BASELINE)
+        entry = {"name": recipe.name, **asdict(recipe), "runs": runs, "single_continued": single_continued}
         entry["trainable_params"] = runs[0]["trainable_params"]
         entry["steps"] = runs[0].get("steps")  # reports made before equal-compute recipes lack it
         entry["train_flops_per_token"] = flops[recipe.name]
@@ -382,16 +400,16 @@ def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
         for loss in ("aux_val_loss", "primary_val_loss"):
             values = [run[loss] for run in runs if run[loss] is not None]
             entry[loss] = mean_and_error(values) if values else None
-        entry["prediction_vs_single_continued"] = paired(runs, as_baseline(runs_of(BASELINE)), key)
+        entry["prediction_vs_single_continued"] = paired(runs, as_baseline(runs_of(single_continued)), key)
         entry["prediction_vs_base"] = paired(runs, as_baseline(base_runs), key)
-        entry["primary_vs_single_continued"] = paired(runs, as_baseline(runs_of(BASELINE)), "primary_val_loss")
+        entry["primary_vs_single_continued"] = paired(runs, as_baseline(runs_of(single_continued)), "primary_val_loss")
         partner = equal_compute_of.get(flops[recipe.name]) if recipe.aux_factor else None
         comparison = paired(runs, as_baseline(runs_of(partner)), key) if partner else None
         entry["prediction_vs_single_equal_compute"] = {"vs": partner, **comparison} if comparison else None
         gain = entry["prediction_vs_single_continued"]
         entry["share_of_depth_upscaling_gain"] = (
             ratio_and_error(gain["by_seed"], depth_gain["by_seed"])
-            if recipe.aux_factor and gain and depth_gain
+            if recipe.aux_factor and gain and depth_gain and single_continued == BASELINE
             else None
         )
         summary.append(entry)
@@ -406,16 +424,19 @@ def format_table(summary: list[dict], base: dict) -> str:
     for entry in summary:
         loss = entry["aux_val_loss"] or entry["primary_val_loss"]
         share = entry["share_of_depth_upscaling_gain"]
+        # a dual recipe compared with the single one of its own learning rate says so
+        against = entry["single_continued"].removeprefix(BASELINE)
+        against = f" (vs{against})" if against else ""
         rows.append(
             [
                 entry["name"],
                 str(entry["steps"] or "-"),
                 format_error(loss, sign=False),
-                format_error(entry["prediction_vs_single_continued"]),
+                format_error(entry["prediction_vs_single_continued"]) + against,
                 format_error(entry["prediction_vs_single_equal_compute"]),
                 format_share(share["ratio"], share["se"]) if share else "-",
                 format_error(entry["prediction_vs_base"]),
-                format_error(entry["primary_vs_single_continued"]),
+                format_error(entry["primary_vs_single_continued"]) + against,
                 f"{entry['trainable_params']:,}",
                 f"{entry['tokens_per_s']:.0f} / {entry['tokens_per_cpu_s']:.0f}",
             ]
