@@ -378,10 +378,10 @@ def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
         for recipe in recipes
         if recipe.compute_of is not None and recipe.compute_of in flops
     }
-    single_continued_at_rate = {  # learning-rate factor -> the single-flow model continued at that rate
+    single_continued_at_rate = {  # learning-rate factor -> the baseline recipe continued at that rate
         recipe.learning_rate_factor: recipe.name
         for recipe in recipes
-        if recipe.aux_factor is None and recipe.train == "all" and recipe.depth_factor == 1 and not recipe.compute_of
+        if replace(recipe, name=BASELINE, learning_rate_factor=1.0) == RECIPES_BY_NAME[BASELINE]
     }
     depth_gain = paired(runs_of(DEPTH_UPSCALED), as_baseline(runs_of(BASELINE)), "primary_val_loss")
     summary = []
@@ -400,9 +400,10 @@ def summarize(recipes, per_seed: list[dict], scale: TinyScale) -> list[dict]:
         for loss in ("aux_val_loss", "primary_val_loss"):
             values = [run[loss] for run in runs if run[loss] is not None]
             entry[loss] = mean_and_error(values) if values else None
-        entry["prediction_vs_single_continued"] = paired(runs, as_baseline(runs_of(single_continued)), key)
+        single_runs = as_baseline(runs_of(single_continued))
+        entry["prediction_vs_single_continued"] = paired(runs, single_runs, key)
         entry["prediction_vs_base"] = paired(runs, as_baseline(base_runs), key)
-        entry["primary_vs_single_continued"] = paired(runs, as_baseline(runs_of(single_continued)), "primary_val_loss")
+        entry["primary_vs_single_continued"] = paired(runs, single_runs, "primary_val_loss")
         partner = equal_compute_of.get(flops[recipe.name]) if recipe.aux_factor else None
         comparison = paired(runs, as_baseline(runs_of(partner)), key) if partner else None
         entry["prediction_vs_single_equal_compute"] = {"vs": partner, **comparison} if comparison else None
