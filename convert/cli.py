@@ -15,7 +15,7 @@ def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("src", metavar="SRC", help="source checkpoint: local folder or Hub repo id")
-    parser.add_argument("out", metavar="OUT", help="output folder (must not exist unless --overwrite)")
+    parser.add_argument("out", metavar="OUT", help="output folder (absent or empty unless --overwrite)")
     parser.add_argument(
         "--aux-top-k",
         type=int,
@@ -41,7 +41,9 @@ def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
         action="store_true",
         help="compare logits (aux on/off) and greedy generations with the source; fail on a mismatch",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="empty OUT first if it holds files (once every input is checked)"
+    )
     parser.add_argument("--revision", help="for a Hub id: the branch, tag or commit to convert (default: main)")
     parser.add_argument("--token", help="for a Hub id: Hub token (default: HF_TOKEN or the `hf auth login` token)")
     return parser

@@ -8,9 +8,10 @@ import torch
 from transformers.utils.hub import convert_file_size_to_int
 
 import modeling_dualflow
+from dualflow.checkpoint import TOKENIZER_PATTERNS
 from dualflow.errors import DualFlowUserError
 from dualflow.model_card import license_of, write_model_card
-from dualflow.staging import staged_folder
+from dualflow.output_folder import check_output_folder, output_folder
 from modeling_dualflow import DualFlowConfig
 
 from . import DTYPE_NAMES
@@ -27,18 +28,6 @@ AUTO_MAP = {
     "AutoModel": "modeling_dualflow.DualFlowModel",
     "AutoModelForCausalLM": "modeling_dualflow.DualFlowForCausalLM",
 }
-# Source files that travel unchanged: tokenizer, chat template, generation defaults.
-PASSTHROUGH_PATTERNS = (
-    "tokenizer*",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "*.tiktoken",
-    "chat_template*",
-    "generation_config.json",
-)
 
 
 def build_config(
@@ -52,8 +41,11 @@ def build_config(
     fields = family.dualflow_config_fields(source.parse_config())
     if aux_rounds < 1:
         raise DualFlowUserError(f"--aux-rounds must be >= 1, got {aux_rounds}")
-    if aux_adapter_rank < 0:
-        raise DualFlowUserError(f"--aux-adapter-rank must be >= 0 (0 = no adapters), got {aux_adapter_rank}")
+    hidden_size = fields["hidden_size"]
+    if not 0 <= aux_adapter_rank <= hidden_size:  # a rank above the width adds weights and nothing it can express
+        raise DualFlowUserError(
+            f"--aux-adapter-rank must be in [0, hidden_size={hidden_size}] (0 = no adapters), got {aux_adapter_rank}"
+        )
     # The upcycling init the engine writes (aux embedding = primary, closed round gates), stated in the config too.
     fields |= {"aux_num_rounds": aux_rounds, "aux_adapter_rank": aux_adapter_rank}
     fields |= {"aux_embed_init": "copy", "aux_round_gate_init": 0.0}
@@ -100,7 +92,7 @@ def conversion_command(
 
 def _copy_passthrough_files(src_dir: Path, out_dir: Path) -> list[str]:
     copied = []
-    for pattern in PASSTHROUGH_PATTERNS:
+    for pattern in TOKENIZER_PATTERNS:
         for path in sorted(src_dir.glob(pattern)):
             if path.is_file() and not (out_dir / path.name).exists():
                 shutil.copy2(path, out_dir / path.name)
@@ -143,11 +135,13 @@ def convert_checkpoint(
     dtype: "auto" / None keeps each tensor's dtype; "float32", "bfloat16", "float16" (or the torch dtypes) cast.
     max_shard_size: output shard size limit ("5GB", "500MB" or bytes).
     verify: compare source and result logits / greedy generations (see `check_parity`); a mismatch raises and
-        leaves no `out`.
+        leaves `out` as it was.
     revision, token: for a Hub id, the branch, tag or commit to convert and the token to download it with (default:
         the `hf auth login` token or HF_TOKEN).
     Returns a summary dict (paths, shapes, tensor counts, and `parity` when verifying). Bad input raises
-    DualFlowUserError before anything is written; `out` appears only once it is complete.
+    DualFlowUserError before anything is written. The files are written into `out` in place (an existing empty folder,
+    a symbolic link's target); any failure leaves `out` as it was, except that `overwrite` empties it first, once every
+    input has been checked.
     """
     out = Path(out)
     if isinstance(dtype, torch.dtype):  # a torch dtype stands for its name
@@ -164,8 +158,7 @@ def convert_checkpoint(
         raise DualFlowUserError(
             f"--max-shard-size must be a positive size like 5GB, 500MB or 1000000, got {max_shard_size!r}"
         )
-    if out.exists() and not overwrite:
-        raise DualFlowUserError(f"{out} already exists; pass --overwrite to replace it")
+    check_output_folder(out, "convert", replace=overwrite)  # before a Hub source is downloaded
 
     src_dir, base_model = resolve_source(src, revision, token)
     if out.resolve().is_relative_to(src_dir.resolve()):
@@ -178,21 +171,22 @@ def convert_checkpoint(
     config = build_config(source, aux_top_k, torch_dtype, aux_rounds, aux_adapter_rank)
     targets = plan_targets(source, family_for(source.model_type), config, torch_dtype)
 
-    with staged_folder(out) as tmp_dir:
-        summary = write_checkpoint(targets, source, tmp_dir, max_shard_bytes, show_progress)
-        config.save_pretrained(tmp_dir)
+    with output_folder(out, "convert", replace=overwrite) as folder:
+        out_dir = folder.path
+        summary = write_checkpoint(targets, source, out_dir, max_shard_bytes, show_progress)
+        config.save_pretrained(out_dir)
         code_dir = Path(modeling_dualflow.__file__).parent
         for name in modeling_dualflow.REMOTE_CODE_FILES:
-            shutil.copy2(code_dir / name, tmp_dir / name)
-        copied = _copy_passthrough_files(src_dir, tmp_dir)
-        parity = check_parity(src_dir, tmp_dir, torch_dtype) if verify else None
+            shutil.copy2(code_dir / name, out_dir / name)
+        copied = _copy_passthrough_files(src_dir, out_dir)
+        parity = check_parity(src_dir, out_dir, torch_dtype) if verify else None
         if parity is not None and not parity["passed"]:
             raise DualFlowUserError(f"--verify failed, nothing written to {out}: {parity['summary']}")
         # The card is published with the model: it names the source by its Hub id where it has one, and local
         # folders by their names only.
-        src_name, out_name = base_model or src_dir.resolve().name, out.resolve().name
+        src_name, out_name = base_model or src_dir.resolve().name, out_dir.name
         write_model_card(
-            tmp_dir,
+            out_dir,
             config,
             repo_id=out_name,
             base_model=base_model,

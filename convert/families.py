@@ -76,6 +76,11 @@ def _common_fields(source_config) -> dict:
 
 
 def _moe_fields(source_config, num_experts: int, moe_intermediate_size: int) -> dict:
+    # A MoE family with no experts would be read as a dense model, and fail on tensors the checkpoint does not have.
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise DualFlowUserError(
+            f"{source_config.model_type} config has {num_experts!r} experts: a MoE checkpoint needs at least 1"
+        )
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=source_config.num_experts_per_tok,

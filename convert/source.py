@@ -10,7 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import CONFIG_MAPPING
 
-from dualflow.checkpoint import is_hub_repo_id
+from dualflow.checkpoint import download_failure, is_hub_repo_id
 from dualflow.errors import DualFlowUserError
 
 
@@ -46,22 +46,6 @@ def resolve_source(src: str | Path, revision: str | None = None, token: str | No
         return Path(folder), str(src)
     except Exception as error:  # huggingface_hub's own messages run to several hundred characters
         raise DualFlowUserError(download_failure(str(src), error)) from error
-
-
-def download_failure(src: str, error: Exception) -> str:
-    """What failed and what to do, in one short line."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    if isinstance(error, GatedRepoError):
-        return f"{src} is a gated Hub repo: accept its terms on huggingface.co, then `hf auth login`"
-    if isinstance(error, RepositoryNotFoundError):
-        return f"{src} is neither a local folder nor a Hub repo you can access (private? `hf auth login`)"
-    if isinstance(error, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
-        return f"{src} is not a local folder and Hub downloads are off (HF_HUB_OFFLINE): pass a local folder"
-    if isinstance(error, LocalEntryNotFoundError):
-        return f"{src} is not a local folder and the Hub is unreachable: check the network or pass a local folder"
-    return f"{src} is not a local folder and its download failed ({type(error).__name__}): retry or pass a folder"
 
 
 @dataclass(frozen=True)

@@ -38,15 +38,43 @@ def check_model_path(model_path) -> None:
         raise DualFlowUserError(f"{model_path} does not exist (a local path; Hub ids look like org/name)")
 
 
+def download_failure(src: str, error: Exception) -> str:
+    """What failed and what to do, in one short line."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    if isinstance(error, GatedRepoError):
+        return f"{src} is a gated Hub repo: accept its terms on huggingface.co, then `hf auth login`"
+    if isinstance(error, RepositoryNotFoundError):
+        return f"{src} is neither a local folder nor a Hub repo you can access (private? `hf auth login`)"
+    if isinstance(error, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
+        return f"{src} is not a local folder and Hub downloads are off (HF_HUB_OFFLINE): pass a local folder"
+    if isinstance(error, LocalEntryNotFoundError):
+        return f"{src} is not a local folder and the Hub is unreachable: check the network or pass a local folder"
+    return f"{src} is not a local folder and its download failed ({type(error).__name__}): retry or pass a folder"
+
+
 def load_dualflow_config(model_path):
     """The DualFlowConfig of a folder or Hub id; a DualFlowUserError when there is none or it is another model type."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoConfig
 
     import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
 
     check_model_path(model_path)
+    if not Path(model_path).is_dir():
+        from huggingface_hub import snapshot_download
+
+        # Asks the Hub once and falls back on the local cache, where AutoConfig offline retries for half a minute.
+        try:
+            snapshot_download(str(model_path), allow_patterns=["config.json"])
+        except Exception as error:  # huggingface_hub's own messages run to several hundred characters
+            raise DualFlowUserError(download_failure(str(model_path), error)) from None
     try:
         config = AutoConfig.from_pretrained(model_path)
+    except StrictDataclassFieldValidationError as error:  # a field of the wrong type ("4" or null for an int)
+        problem = " ".join(line.strip() for line in str(error).splitlines()[1:]) or str(error)
+        raise DualFlowUserError(f"{model_path}/config.json: {problem}") from None
     except (OSError, ValueError) as error:
         raise DualFlowUserError(
             f"cannot load a model config from {model_path} ({str(error).splitlines()[0]})"
@@ -72,8 +100,28 @@ def load_dualflow_model(model_path, **kwargs):
         raise DualFlowUserError(
             f"the weights in {model_path} do not load: {str(error).strip().splitlines()[0]}"
         ) from None
+    except RuntimeError as error:
+        if "ignore_mismatched_sizes" not in str(error):
+            raise
+        raise DualFlowUserError(
+            f"the weights in {model_path} do not match its config.json: tensor shapes differ from the config's sizes "
+            "(vocab_size, hidden_size, ...; transformers' load report above names them)"
+        ) from None
 
 
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# A model's tokenizer, chat template and generation defaults: `dualflow convert` copies them, `dualflow push` uploads them.
+TOKENIZER_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.tiktoken",
+    "chat_template*",
+    "generation_config.json",
+)
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 

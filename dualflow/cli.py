@@ -1,16 +1,17 @@
 """
 `dualflow` command line. Each subcommand lives in its own module exposing `build_parser(prog)` and `run(args)`; only
 the module of the command being run is imported, and it imports torch and transformers only in `run`, so `--help` and
-argument errors are instant. A DualFlowUserError (the user's mistake), Ctrl-C or SIGTERM (`kill`, `timeout`, a job
+argument errors are instant. A DualFlowUserError (the user's mistake), Ctrl-C, SIGTERM or SIGHUP (`kill`, `timeout`, a job
 scheduler) ends in one line; any other exception is a bug in our code and keeps its traceback.
 """
 
 import argparse
 import importlib
+import signal
 import sys
 from importlib.metadata import version
 
-from .errors import DualFlowUserError, sigterm_as_interrupt
+from .errors import DualFlowUserError, terminating_signals_as_interrupt
 
 
 # name: (module, one-line help)
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints the help or the usage error and exits
     command = argv[0]
-    with sigterm_as_interrupt() as sigterm:
+    with terminating_signals_as_interrupt() as signals:
         try:
             module = importlib.import_module(COMMANDS[command][0])
             args = module.build_parser(f"dualflow {command}").parse_args(argv[1:])
@@ -61,9 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         except DualFlowUserError as error:
             print(f"dualflow {command}: error: {error}", file=sys.stderr)
             return 2
-        except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: what was kept, if anything, and no traceback
+        except (
+            KeyboardInterrupt
+        ) as interrupt:  # Ctrl-C, SIGTERM or SIGHUP: what was kept, if anything, and no traceback
             new_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C (or a progress bar's last line)
-            how, status = ("terminated (SIGTERM)", 143) if sigterm.received else ("interrupted", 130)
+            if signals.signum is None:
+                how, status = "interrupted", 130
+            else:  # the shell's status for a process killed by that signal
+                how, status = f"terminated ({signal.Signals(signals.signum).name})", 128 + signals.signum
             print(f"{new_line}dualflow {command}: {how}{f'; {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
             return status
 

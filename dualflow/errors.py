@@ -18,38 +18,47 @@ class DualFlowInterrupted(KeyboardInterrupt):
 
 
 class DualFlowTerminated(KeyboardInterrupt):
-    """SIGTERM (`kill`, `timeout`, a job scheduler), raised like Ctrl-C so that the same cleanup runs."""
+    """SIGTERM (`kill`, `timeout`, a job scheduler) or SIGHUP (the terminal or SSH session closed), raised like Ctrl-C
+    so that the same cleanup runs."""
 
 
-class SigtermState:
-    received = False
+# The signals that end a run like Ctrl-C (the CLI reports which one).
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+class SignalState:
+    signum: int | None = None  # the terminating signal received, if any
 
 
 @contextmanager
-def sigterm_as_interrupt():
+def terminating_signals_as_interrupt():
     """
-    `with sigterm_as_interrupt() as sigterm:` a SIGTERM raises DualFlowTerminated in the block (and sets
-    `sigterm.received`), so whatever a Ctrl-C cleans up (a partial output folder) is cleaned up too; a second SIGTERM
-    during that cleanup is ignored. Nothing changes where a program handles SIGTERM itself or outside the main
-    thread (signals reach only it); a process forked in the block still dies of SIGTERM as by default.
+    `with terminating_signals_as_interrupt() as state:` a SIGTERM or SIGHUP raises DualFlowTerminated in the block
+    (and sets `state.signum`), so whatever a Ctrl-C cleans up is cleaned up too; a second such signal during that
+    cleanup is ignored. Nothing changes for a signal the program handles itself, or outside the main thread (signals
+    reach only it); a process forked in the block still dies of these signals as by default.
     """
-    state = SigtermState()
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+    state = SignalState()
+    if threading.current_thread() is not threading.main_thread():
         yield state
         return
+    handled = [signum for signum in TERMINATING_SIGNALS if signal.getsignal(signum) == signal.SIG_DFL]
     pid = os.getpid()
 
     def terminate(signum, frame):
         if os.getpid() != pid:  # a forked worker (DataLoader, pool): the default action
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             return
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        state.received = True
+        for other in handled:
+            signal.signal(other, signal.SIG_IGN)
+        state.signum = signum
         raise DualFlowTerminated()
 
-    signal.signal(signal.SIGTERM, terminate)
+    for signum in handled:
+        signal.signal(signum, terminate)
     try:
         yield state
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum in handled:
+            signal.signal(signum, signal.SIG_DFL)

@@ -11,7 +11,6 @@ and packed into fixed-size blocks. The command line is `dualflow.finetune_cli`.
 import json
 import math
 import os
-import shutil
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,12 +22,20 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
 
-from .checkpoint import load_dualflow_config, load_dualflow_model, load_tokenizer
+from .checkpoint import WEIGHT_FILES, load_dualflow_config, load_dualflow_model, load_tokenizer
 from .errors import DualFlowInterrupted, DualFlowUserError
+from .instruments.data import read_utf8_text
 from .lora import add_lora
 from .model_card import license_of, write_adapter_card, write_model_card
+from .output_folder import (
+    UNFINISHED_MARKER,
+    OutputFolder,
+    cannot_write,
+    file_system_error,
+    output_folder,
+    remove,
+)
 from .scoring import mean_token_nlls
-from .staging import FILE_SYSTEM_ERRNOS, staged_folder
 
 
 DATA_SUFFIXES = (".txt", ".jsonl")
@@ -66,12 +73,7 @@ def data_files(paths) -> list[Path]:
 
 def _read_file(path: Path, text_field: str) -> list[str]:
     """Documents of a .txt file (the whole file) or a .jsonl file (the `text_field` of every non-blank line)."""
-    try:
-        content = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise DualFlowUserError(f"data file {path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
-    except OSError as error:
-        raise DualFlowUserError(f"cannot read data file {path}: {error.strerror}") from None
+    content = read_utf8_text(path)
     if path.suffix == ".txt":
         return [content]
     texts = []
@@ -256,112 +258,123 @@ def training_objective(config) -> str:
     return objective
 
 
-def keep_checkpoints(staging: Path, output_dir: Path) -> Path | None:
-    """
-    Move the complete Trainer checkpoints of a run that stopped early out of its staging folder (removed after this)
-    into OUT-checkpoints next to OUT; returns that folder, None when there was no checkpoint to keep.
-    """
-    checkpoints = [path for path in staging.glob("checkpoint-*") if (path / "trainer_state.json").is_file()]
-    if not checkpoints:
-        return None
-    for path in set(staging.glob("checkpoint-*")) - set(checkpoints):  # frees what a save cut short by a full disk took
-        shutil.rmtree(path, ignore_errors=True)
-    kept = output_dir.with_name(f"{output_dir.name}-checkpoints")
-    kept.mkdir(exist_ok=True)
-    for checkpoint in checkpoints:
-        shutil.rmtree(kept / checkpoint.name, ignore_errors=True)
-        checkpoint.rename(kept / checkpoint.name)
-    return kept
-
-
 def _step(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("checkpoint-"))
 
 
-def _resume_advice(kept: Path, diverged_at: int | None = None) -> str:
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Trainer's checkpoints in `folder` that were saved in full (Trainer writes trainer_state.json last), by step."""
+    found = [
+        path
+        for path in folder.glob("checkpoint-*")
+        if path.name.removeprefix("checkpoint-").isdigit() and (path / "trainer_state.json").is_file()
+    ]
+    return sorted(found, key=_step)
+
+
+def _resume_advice(folder: OutputFolder, first_bad: int | None = None) -> str:
     """
-    Where the checkpoints are and the one to go on from: the last one, or after a loss that was not finite at step N
-    the last one before N - 1 (checkpoint-(N-1) holds the weights that gave that loss).
+    Where the checkpoints are and how to go on: rerun the same command (it resumes from the last one), or after
+    training diverged, from the last checkpoint before `first_bad` (the first step whose saved weights diverged) with a
+    lower learning rate.
     """
-    checkpoints = sorted(kept.glob("checkpoint-*"), key=_step)
-    advice, change = f"checkpoints kept in {kept}", ""
-    if diverged_at is not None:
-        if any(_step(checkpoint) == diverged_at - 1 for checkpoint in checkpoints):
-            advice += f" (checkpoint-{diverged_at - 1} holds the weights that gave it)"
-        checkpoints = [checkpoint for checkpoint in checkpoints if _step(checkpoint) < diverged_at - 1]
-        change = "a lower --learning-rate and "
-    if checkpoints:
-        advice += f"; to go on, rerun with {change}--resume-from-checkpoint {checkpoints[-1]}"
+    checkpoints = complete_checkpoints(folder.path)
+    advice = f"checkpoints kept in {folder.shown} (last: {checkpoints[-1].name})"
+    if first_bad is None:
+        return f"{advice}; rerun the same command to go on from the last one"
+    if any(_step(checkpoint) >= first_bad for checkpoint in checkpoints):
+        advice += f" (those from checkpoint-{first_bad} on hold the weights that diverged)"
+    earlier = [checkpoint for checkpoint in checkpoints if _step(checkpoint) < first_bad]
+    if earlier:
+        advice += (
+            f"; to go on, rerun with a lower --learning-rate and --resume-from-checkpoint "
+            f"{folder.shown / earlier[-1].name}"
+        )
     return advice
 
 
 class TrainingDiverged(DualFlowUserError):
-    """The training loss was NaN or inf (StopOnNonFiniteLoss stopped the run)."""
-
-    def __init__(self, step: int):
-        super().__init__(
-            f"training diverged: the loss or its gradients were NaN or inf at step {step}; the model was not saved"
-        )
-        self.step = step
-
-
-# Bytes written to test whether a file system is full: a write that failed leaves less than this free.
-PROBE_BYTES = 1 << 16
-
-
-def _file_system_error(error: BaseException, folder: Path) -> OSError | None:
     """
-    The file system's refusal behind a failed write (full disk, quota, read-only, permission), None for any other
-    failure: an OSError in the exception's chain, else a probe write into `folder`, since torch and safetensors report
-    a full disk in messages of their own without its errno.
+    The training loss or the weights were NaN or inf at `step` (StopOnNonFiniteLoss stopped the run, or the check
+    after the last step); `first_bad`: the first step whose checkpoint holds weights that diverged.
     """
-    cause = error
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in FILE_SYSTEM_ERRNOS:
-            return cause
-        cause = cause.__cause__ or cause.__context__
-    probe = folder / ".write-probe"
-    try:
-        with open(probe, "wb") as file:
-            file.write(bytes(PROBE_BYTES))
-            file.flush()
-            os.fsync(file.fileno())
-    except OSError as probe_error:
-        return probe_error if probe_error.errno in FILE_SYSTEM_ERRNOS else None
-    finally:
-        probe.unlink(missing_ok=True)
-    return None
+
+    def __init__(self, step: int, weights: bool = False):
+        what = "the weights after the last step were" if weights else "the loss or its gradients were"
+        super().__init__(f"training diverged: {what} NaN or inf at step {step}; the model was not saved")
+        # A non-finite loss at step N comes from the weights saved after step N - 1.
+        self.first_bad = step if weights else step - 1
 
 
 @contextmanager
-def checkpoints_kept_on_failure(staging: Path, output_dir: Path):
+def checkpoints_kept_on_failure(folder: OutputFolder):
     """
-    Whatever ends the block early (an error, a full disk, Ctrl-C, SIGTERM) moves the complete checkpoints saved in
-    `staging` to OUT-checkpoints and says so in the one line the CLI prints: a DualFlowInterrupted for an interruption,
-    a DualFlowUserError for the user's file system or mistake; another error (a bug) keeps its traceback after a line
-    naming the checkpoints.
+    Whatever ends the block early (an error, a full disk, Ctrl-C, SIGTERM, SIGHUP) leaves the complete checkpoints in
+    OUT (`output_folder` removes the rest) and says so in the one line the CLI prints: a DualFlowInterrupted for an
+    interruption, a DualFlowUserError for the user's file system or mistake; another error (a bug) keeps its
+    traceback after a line naming the checkpoints.
     """
     try:
         yield
     except KeyboardInterrupt:
-        kept = keep_checkpoints(staging, output_dir)
-        if kept is None:
+        if not complete_checkpoints(folder.path):
             raise
-        raise DualFlowInterrupted(_resume_advice(kept)) from None
+        raise DualFlowInterrupted(_resume_advice(folder)) from None
     except Exception as error:
-        write_error = _file_system_error(error, staging)  # first: keeping the checkpoints frees space
-        kept = keep_checkpoints(staging, output_dir)
-        diverged_at = error.step if isinstance(error, TrainingDiverged) else None
-        advice = "" if kept is None else f"; {_resume_advice(kept, diverged_at)}"
+        write_error = file_system_error(error, folder.path)
+        kept = bool(complete_checkpoints(folder.path))
+        first_bad = error.first_bad if isinstance(error, TrainingDiverged) else None
+        advice = f"; {_resume_advice(folder, first_bad)}" if kept else ""
         if write_error is not None:
-            raise DualFlowUserError(
-                f"cannot write the output folder {output_dir}: {write_error.strerror}{advice}"
-            ) from None
+            raise DualFlowUserError(f"{cannot_write(folder.shown, write_error)}{advice}") from None
         if isinstance(error, DualFlowUserError):
             raise DualFlowUserError(f"{error}{advice}") from None
-        if kept is not None:
-            print(f"dualflow finetune: {_resume_advice(kept)}", file=sys.stderr)
+        if kept:
+            print(f"dualflow finetune: {_resume_advice(folder)}", file=sys.stderr)
         raise
+
+
+def _checkpoint_to_resume(folder: OutputFolder, resume) -> Path | None:
+    """
+    The checkpoint to go on from: `--resume-from-checkpoint`'s, else the last complete one of the unfinished run in
+    OUT (transformers' examples resume the same way). Checkpoints of two runs never share a folder: a checkpoint from
+    elsewhere only starts a run in an empty OUT.
+    """
+    found = complete_checkpoints(folder.path) if folder.resumed else []
+    if resume is None:
+        if found:
+            print(f"resuming the unfinished run in {folder.shown} from its last checkpoint, {found[-1].name}")
+            return found[-1]
+        if folder.resumed:
+            print(f"{folder.shown} holds an unfinished run with no complete checkpoint: starting over")
+        return None
+    resume = Path(resume)
+    if not (resume / "trainer_state.json").is_file() or not any(
+        (resume / name).is_file() for name in (*WEIGHT_FILES, "adapter_model.safetensors")
+    ):
+        raise DualFlowUserError(
+            f"--resume-from-checkpoint {resume} is not a complete Trainer checkpoint folder (trainer_state.json and "
+            "the weights)"
+        )
+    if found and Path(os.path.realpath(resume)).parent != folder.path:
+        raise DualFlowUserError(
+            f"{folder.shown} holds another unfinished run (last checkpoint {found[-1].name}): resuming from {resume} "
+            "there would mix the checkpoints of two runs; choose another --output-dir"
+        )
+    return resume
+
+
+def _leftovers(folder: OutputFolder, keep: list[Path]) -> list[Path]:
+    """What an unfinished run left in OUT besides its complete checkpoints and marker (half-saved files)."""
+    return [entry for entry in folder.path.iterdir() if entry not in keep and entry.name != UNFINISHED_MARKER]
+
+
+def _needed_bytes(model, lora: bool, saves_checkpoints: bool) -> int:
+    """Disk the run writes at most at once: the final weights, and a checkpoint (weights + Adam's two moments)."""
+    parameters = list(model.parameters())
+    trainable = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
+    saved = trainable if lora else sum(p.numel() * p.element_size() for p in parameters)
+    return saved + (saved + 2 * trainable if saves_checkpoints else 0)
 
 
 def _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments):
@@ -375,6 +388,8 @@ def _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments):
             raise DualFlowUserError(f"--{name.replace('_', '-')} must be >= 1, got {arguments[name]}")
     if not arguments["learning_rate"] > 0:
         raise DualFlowUserError(f"--learning-rate must be > 0, got {arguments['learning_rate']}")
+    if not arguments.get("warmup_steps", 0) >= 0:
+        raise DualFlowUserError(f"--warmup-steps must be >= 0, got {arguments['warmup_steps']}")
     if arguments.get("max_steps", -1) <= 0 and not arguments["num_train_epochs"] > 0:
         raise DualFlowUserError(
             f"--num-train-epochs must be > 0 (or --max-steps given), got {arguments['num_train_epochs']}"
@@ -383,11 +398,6 @@ def _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments):
         raise DualFlowUserError(f"--lora-r must be >= 1, got {lora_r}")
     if lora and not lora_alpha > 0:
         raise DualFlowUserError(f"--lora-alpha must be > 0, got {lora_alpha}")
-
-
-def _check_output_dir(output_dir: Path):
-    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
-        raise DualFlowUserError(f"output directory {output_dir} already exists and is not empty")
 
 
 def finetune(
@@ -404,14 +414,16 @@ def finetune(
     target_modules: list[str] | None = None,
     text_field: str = "text",
     eval_blocks_max: int | None = None,
+    data_name: str | None = None,
     **training_arguments,
 ) -> FinetuneResult:
     """
     Fine-tune `model_path` on `data_path` and save the result into `output_dir`: the full model (loadable with
     `AutoModelForCausalLM`, also as remote code) or, with `lora`, the adapter (load it with `peft.PeftModel.from_pretrained`).
-    `training_arguments` go to `make_trainer` (`resume_from_checkpoint` to `Trainer.train`). The folder appears only
-    once everything is written; Trainer's checkpoints, if any are saved, end up inside it. Interrupted (Ctrl-C) after a
-    checkpoint was saved, the checkpoints are kept in OUT-checkpoints (raises DualFlowInterrupted saying so).
+    `training_arguments` go to `make_trainer` (`resume_from_checkpoint` to `Trainer.train`). Trainer writes its
+    checkpoints into `output_dir` as `checkpoint-N`; a run stopped early (Ctrl-C, an error) keeps the complete ones
+    there, and calling again with the same `output_dir` goes on from the last one. `data_name`: how the model card
+    names the training data (local file names are not published).
     """
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
@@ -420,80 +432,90 @@ def finetune(
         raise DualFlowUserError(f"--eval-blocks must be >= 0 (0: no NLL before / after), got {eval_blocks_max}")
     if lora and not 0 <= lora_dropout < 1:
         raise DualFlowUserError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
-    output_dir = Path(output_dir)
-    _check_output_dir(output_dir)
     resume = training_arguments.pop("resume_from_checkpoint", None)
-    if resume is not None and not Path(resume, "trainer_state.json").is_file():
-        raise DualFlowUserError(f"--resume-from-checkpoint {resume} is not a Trainer checkpoint folder")
     texts = read_texts(data_path, text_field)
     config = load_dualflow_config(model_path)
     tokenizer = load_tokenizer(model_path)
     block_size = min(block_size, config.max_position_embeddings)
-    # The staging folder is made at once: an output that cannot be written fails before tokenizing and training.
-    with staged_folder(output_dir) as staging, checkpoints_kept_on_failure(staging, output_dir):
-        blocks = pack_blocks(texts, tokenizer, block_size, progress=True)
-        train_blocks, eval_blocks = split_blocks(blocks, eval_fraction)
-        print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
-        measured = eval_blocks[:eval_blocks_max]  # the blocks the NLL before / after training is measured on
-        if not len(measured):
-            print("eval NLL before / after: not measured (--eval-blocks 0)")
-        elif len(measured) < len(eval_blocks):
-            print(f"eval NLL before / after measured on {len(measured)} of the {len(eval_blocks)} eval blocks")
-        # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
-        source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
-        model = load_dualflow_model(source, config=config, dtype=torch.float32)
-        if aux_only:
-            model.freeze_for_aux_training()
-        # The router balance loss is part of the training objective (the model's loss adds it); restored before saving.
-        saved_router_setting = model.config.output_router_logits
-        model.config.output_router_logits = bool(model.config.num_experts)
-        if lora:
-            try:
-                model = add_lora(model, lora_r, lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules)
-            except ValueError as error:  # PEFT: target modules the model does not have
-                raise DualFlowUserError(f"--target-modules: {str(error).strip().splitlines()[0]}") from None
-        trainable = model.num_parameters(only_trainable=True)
-        print(f"trainable parameters: {trainable:,}")
+    # OUT is made and locked at once: an output that cannot be written fails before tokenizing and training.
+    with output_folder(output_dir, "finetune", resume=True, keep=complete_checkpoints) as folder:
+        with checkpoints_kept_on_failure(folder):
+            resume = _checkpoint_to_resume(folder, resume)
+            for leftover in _leftovers(folder, complete_checkpoints(folder.path)):
+                remove(leftover)
+            blocks = pack_blocks(texts, tokenizer, block_size, progress=True)
+            if int(blocks.max()) >= config.vocab_size:
+                raise DualFlowUserError(
+                    f"the tokenizer gives token id {int(blocks.max())}, outside the model's vocabulary (vocab_size "
+                    f"{config.vocab_size}): the tokenizer in {model_path} does not belong to this model"
+                )
+            train_blocks, eval_blocks = split_blocks(blocks, eval_fraction)
+            print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
+            measured = eval_blocks[:eval_blocks_max]  # the blocks the NLL before / after training is measured on
+            if not len(measured):
+                print("eval NLL before / after: not measured (--eval-blocks 0)")
+            elif len(measured) < len(eval_blocks):
+                print(f"eval NLL before / after measured on {len(measured)} of the {len(eval_blocks)} eval blocks")
+            # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
+            source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
+            model = load_dualflow_model(source, config=config, dtype=torch.float32)
+            if aux_only:
+                model.freeze_for_aux_training()
+            # Training settings restored before saving: the router balance loss is part of the training objective
+            # (the model's loss adds it), and Trainer turns the cache off.
+            saved_settings = {"output_router_logits": model.config.output_router_logits, "use_cache": config.use_cache}
+            model.config.output_router_logits = bool(model.config.num_experts)
+            if lora:
+                try:
+                    model = add_lora(
+                        model, lora_r, lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules
+                    )
+                except ValueError as error:  # PEFT: target modules the model does not have
+                    raise DualFlowUserError(f"--target-modules: {str(error).strip().splitlines()[0]}") from None
+            trainable = model.num_parameters(only_trainable=True)
+            print(f"trainable parameters: {trainable:,}")
 
-        trainer = make_trainer(model, train_blocks, eval_blocks, staging, **training_arguments)
-        eval_batch = trainer.args.per_device_eval_batch_size
-        before = after = None
-        if len(measured):
-            before = flow_nll(trainer.model, measured, eval_batch, progress=True)
-            print(f"eval NLL per token (nats) before: {_format_nll(before)}")
-        print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
-        divergence = StopOnNonFiniteLoss()
-        trainer.add_callback(divergence)
-        trainer.train(resume_from_checkpoint=resume)
-        if divergence.diverged_at is not None:
-            raise TrainingDiverged(divergence.diverged_at)
-        if len(measured):
-            # Measured as "before" was, in float32: training left `--bf16`'s autocast wrapped around the forward.
-            after = flow_nll(
-                trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False),
-                measured,
-                eval_batch,
-                progress=True,
-            )
-            print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
+            trainer = make_trainer(model, train_blocks, eval_blocks, folder.path, **training_arguments)
+            saves_checkpoints = trainer.args.save_strategy != "no"
+            folder.check_free_space(_needed_bytes(model, lora, saves_checkpoints), "this run")
+            eval_batch = trainer.args.per_device_eval_batch_size
+            before = after = None
+            if len(measured):
+                before = flow_nll(trainer.model, measured, eval_batch, progress=True)
+                print(f"eval NLL per token (nats) before: {_format_nll(before)}")
+            print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
+            divergence = StopOnNonFiniteLoss()
+            trainer.add_callback(divergence)
+            trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+            if divergence.diverged_at is not None:
+                raise TrainingDiverged(divergence.diverged_at)
+            if not all(parameter.isfinite().all() for parameter in model.parameters()):
+                raise TrainingDiverged(trainer.state.global_step, weights=True)
+            if len(measured):
+                # Measured as "before" was, in float32: training left `--bf16`'s autocast wrapped around the forward.
+                after = flow_nll(
+                    trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False),
+                    measured,
+                    eval_batch,
+                    progress=True,
+                )
+                print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
 
-        model.config.output_router_logits = saved_router_setting
-        model.save_pretrained(staging)
-        mode = "LoRA" if lora else "aux-only" if aux_only else "full"
-        data_names = ", ".join(
-            path.name for path in map(Path, [data_path] if isinstance(data_path, (str, os.PathLike)) else data_path)
-        )
-        training = f"Fine-tuned ({mode}) with `dualflow finetune` on `{data_names}`"
-        if before is not None:
-            training += f": eval NLL per token (nats) before: {_format_nll(before)}; after: {_format_nll(after)}"
-        training += "."
+            for name, value in saved_settings.items():
+                setattr(model.config, name, value)
+            model.save_pretrained(folder.path)
+            mode = "LoRA" if lora else "aux-only" if aux_only else "full"
+            training = f"Fine-tuned ({mode}) with `dualflow finetune` on {data_name or 'local text data'}"
+            if before is not None:
+                training += f": eval NLL per token (nats) before: {_format_nll(before)}; after: {_format_nll(after)}"
+            training += "."
 
-        if lora:
-            write_adapter_card(staging, config, str(source), repo_id=str(output_dir), extra=training)
-        else:
-            write_model_card(
-                staging, model.config, repo_id=str(output_dir), license=license_of(model_path), extra=training
-            )
-        tokenizer.save_pretrained(staging)
+            if lora:
+                write_adapter_card(folder.path, config, str(source), repo_id=folder.path.name, extra=training)
+            else:
+                write_model_card(
+                    folder.path, model.config, repo_id=folder.path.name, license=license_of(model_path), extra=training
+                )
+            tokenizer.save_pretrained(folder.path)
     print(f"saved {'adapter' if lora else 'model'} to {output_dir}")
     return FinetuneResult(output_dir, before, after, trainable)

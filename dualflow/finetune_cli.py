@@ -99,6 +99,11 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
         "may be given",
     )
     parser.add_argument(
+        "--data-name",
+        "--data_name",
+        help="the data's name in the model card, e.g. a Hub dataset id (file names are never published)",
+    )
+    parser.add_argument(
         "--text-field",
         "--text_field",
         default="text",
@@ -168,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             f"unrecognized arguments: {' '.join(unknown)} (see {prog} --help and {prog} --help-trainer)"
         )
     training = vars(training)
-    del training["output_dir"]  # ours (the Trainer writes into a staging folder)
+    del training["output_dir"]  # ours: --output-dir, which defaults to the model's name
     for name, _ in ALIASES.values():
         value = options.pop(name)
         if value is not None:

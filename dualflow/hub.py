@@ -14,22 +14,41 @@ import json
 import tempfile
 from pathlib import Path
 
-from .checkpoint import is_hub_repo_id
+from .checkpoint import TOKENIZER_PATTERNS, WEIGHT_FILES, is_hub_repo_id
 from .errors import DualFlowUserError
 
 
 AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# What a model repository holds, matched against the folder's own files (not its subfolders): weights, config,
+# tokenizer, card, remote code, adapter files. Never pickles (optimizer.pt, training_args.bin), Trainer's
+# checkpoint-N folders or dotfiles (.env).
+PUBLISHED_PATTERNS = (
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "adapter_config.json",
+    "README.md",
+    "LICENSE*",
+    "*.py",
+    *TOKENIZER_PATTERNS,
+)
 
 
 def check_upload_folder(folder) -> str:
     """Raise a DualFlowUserError naming the first thing a shared folder lacks; return "model" or "adapter"."""
     from modeling_dualflow import REMOTE_CODE_FILES
 
+    from .output_folder import UNFINISHED_MARKER
+
     folder = Path(folder)
     if not folder.is_dir():
         raise DualFlowUserError(f"{folder} is not a folder")
+    if (folder / UNFINISHED_MARKER).is_file():
+        raise DualFlowUserError(
+            f"{folder} holds an unfinished run ({UNFINISHED_MARKER}): push a finished model, or one of its "
+            f"checkpoints on purpose (dualflow push {folder / 'checkpoint-N'} REPO_ID)"
+        )
     if (folder / "adapter_config.json").is_file():  # a `dualflow finetune --lora` output
         missing = [name for name in ADAPTER_FILES if not (folder / name).is_file()]
         if missing:
@@ -114,7 +133,10 @@ def published_files(folder, repo_id: str, kind: str, base_model_id: str | None =
     adapter_config = json.loads((folder / "adapter_config.json").read_text())
     base = adapter_config.get("base_model_name_or_path") or ""
     if base_model_id is None:
-        if Path(base).expanduser().exists() or not is_hub_repo_id(base):
+        local = base.startswith((".", "/", "~")) or any(
+            (where / base).expanduser().exists() for where in (Path.cwd(), folder, folder.parent)
+        )
+        if local or not is_hub_repo_id(base):
             raise DualFlowUserError(
                 f"the adapter's base model is the local folder {base}, which does not load from the Hub: upload the "
                 "base too and pass its repo id with --base-model-id"
@@ -151,6 +173,38 @@ def check_repo_id(repo_id: str) -> None:
         raise DualFlowUserError(f"{repo_id!r} is not a Hub repo id (like your-name/model-dualflow): {error}") from None
 
 
+def upload_contents(folder, repo_id: str, base_model_id: str | None = None) -> tuple[str, dict[str, Path | bytes]]:
+    """
+    The folder's kind ("model" or "adapter") and what `push_folder` uploads, by path in the repo: the folder's files that a model repository holds
+    (PUBLISHED_PATTERNS), with `published_files` in place of their own. Checks the folder and the repo id first.
+    """
+    from huggingface_hub.utils import filter_repo_objects
+
+    folder = Path(folder)
+    kind = check_upload_folder(folder)
+    check_repo_id(repo_id)
+    published = published_files(folder, repo_id, kind, base_model_id)
+    files = {path.name: path for path in folder.iterdir() if path.is_file() and not path.name.startswith(".")}
+    contents = {name: files[name] for name in filter_repo_objects(files, allow_patterns=PUBLISHED_PATTERNS)}
+    return kind, dict(sorted((contents | published).items()))
+
+
+def dry_run_listing(folder, contents: dict[str, Path | bytes]) -> str:
+    """`dualflow push --dry-run`'s report: each file that would go up with its size, and what stays local."""
+    sizes = {
+        name: len(content) if isinstance(content, bytes) else content.stat().st_size
+        for name, content in contents.items()
+    }
+    lines = [f"{size:>14,}  {name}" for name, size in sizes.items()]
+    lines.append(f"{sum(sizes.values()):>14,}  bytes in {len(sizes)} files would be uploaded")
+    left = sorted(
+        path.name + ("/" if path.is_dir() else "") for path in Path(folder).iterdir() if path.name not in sizes
+    )
+    if left:
+        lines.append(f"not uploaded: {', '.join(left)}")
+    return "\n".join(lines)
+
+
 def push_folder(
     folder,
     repo_id: str,
@@ -168,18 +222,9 @@ def push_folder(
     `revision`: the branch to commit to (created if needed; with `create_pr`, the branch the pull request targets).
     """
     from huggingface_hub import CommitOperationAdd, HfApi
-    from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 
-    folder = Path(folder)
-    kind = check_upload_folder(folder)
-    check_repo_id(repo_id)
-    published = published_files(folder, repo_id, kind, base_model_id)
-    files = {path.relative_to(folder).as_posix(): path for path in sorted(folder.rglob("*")) if path.is_file()}
-    contents = {name: files[name] for name in filter_repo_objects(files, ignore_patterns=DEFAULT_IGNORE_PATTERNS)}
-    operations = [
-        CommitOperationAdd(path_in_repo=name, path_or_fileobj=content)
-        for name, content in sorted((contents | published).items())
-    ]
+    kind, contents = upload_contents(folder, repo_id, base_model_id)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in contents.items()]
     api = HfApi(token=hub_token(token))
     try:  # offline, no network or a refused token fail at the first call
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
@@ -271,6 +316,11 @@ def build_parser(prog: str = "dualflow push") -> argparse.ArgumentParser:
         "--create-pr", action="store_true", help="open a pull request (against --revision, or main) instead"
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the files and sizes that would be uploaded, and what stays local; upload nothing",
+    )
+    parser.add_argument(
         "--base-model-id",
         help="for a LoRA adapter folder: the Hub repo id of its base model, published in place of a local folder",
     )
@@ -278,6 +328,11 @@ def build_parser(prog: str = "dualflow push") -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    if args.dry_run:
+        print(f"dry run: nothing uploaded to {args.repo_id}")
+        _, contents = upload_contents(args.folder, args.repo_id, args.base_model_id)
+        print(dry_run_listing(args.folder, contents))
+        return 0
     url = push_folder(
         args.folder,
         args.repo_id,

@@ -8,6 +8,8 @@ import contextlib
 import inspect
 import io
 import re
+import signal
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -261,6 +263,15 @@ def run_finetune(*argv) -> int:
         status = dualflow_main(["finetune", *map(str, argv)])
     assert [str(warning.message) for warning in caught] == []
     return status
+
+
+def signallable_process(command, **kwargs) -> subprocess.Popen:
+    """
+    A child that Ctrl-C (SIGINT) reaches as in a terminal, also when the test session runs as a background job (a
+    non-interactive shell starts those with SIGINT ignored, and children inherit that).
+    """
+    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    return subprocess.Popen(list(map(str, command)), preexec_fn=restore, text=True, **kwargs)
 
 
 # Documentation pages

@@ -11,6 +11,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from helpers import signallable_process
 
 from dualflow.cli import COMMANDS, main
 
@@ -159,9 +160,7 @@ def test_ctrl_c_of_a_parallel_experiment_is_one_line(tmp_path):
     command = [sys.executable, "-m", "dualflow.cli", "experiment", "--quick", "--seeds", "1", "--jobs", "2"]
     # Steps enough that the runs are still training when the signal comes (quick runs end in under a second).
     command += ["--arms", "single k2", "dual kp2 ka4", "--steps", "100000", "--out", str(tmp_path / "runs")]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
     try:
         deadline = time.monotonic() + 300

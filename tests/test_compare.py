@@ -51,12 +51,18 @@ def test_compare_cli_bad_input_is_one_line(tmp_path, capsys):
     tiny_model(vocab_size=256).save_pretrained(folder)
     small_vocab = tmp_path / "small-vocab"
     tiny_model().save_pretrained(small_vocab)  # vocab 97 and no tokenizer: nothing to tokenize with
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(bytes(range(256)) * 8)
     cases = [
         ([str(small_vocab)], "has no tokenizer: add the source model's, e.g. AutoTokenizer.from_pretrained(SOURCE)"),
         ([str(folder), "--prompt-lengths", "8,x"], "expected comma-separated integers"),
         ([str(folder), "--prompt-lengths", "4096"], "exceeds max_position_embeddings=128"),
         ([str(folder), "--data", str(tmp_path / "nope.txt")], "--data file not found"),
         ([str(folder), "--aux-rounds", "2"], "--aux-rounds sets the built-in model's rounds"),
+        ([str(folder), "--data", str(binary)], f"data file {binary} is not UTF-8 text"),  # as finetune refuses it
+        # Outputs are checked before the measurement, not after it.
+        ([str(folder), "--json", str(tmp_path)], f"--json {tmp_path} is a folder: give a file name"),
+        ([str(folder), "--json", str(tmp_path / "no" / "r.json")], "cannot be written: No such file or directory"),
     ]
     capsys.readouterr()  # save_pretrained's progress bars
     for argv, message in cases:

@@ -20,14 +20,14 @@ from helpers import (
     make_source,
     run_dualflow,
     save_source,
+    signallable_process,
 )
 from safetensors import safe_open
 from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
 from dualflow.convert import SUPPORTED_MODEL_TYPES, convert_checkpoint
 from dualflow.convert.verify import check_parity
-from dualflow.errors import DualFlowUserError
-from dualflow.staging import staged_folder
+from dualflow.output_folder import UNFINISHED_MARKER, output_folder
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -226,6 +226,15 @@ def _bad_sources(tmp_path: Path) -> dict:
     _edit_json(untied / "config.json", lambda d: d.update(tie_word_embeddings=False))
     cases["lm_head missing"] = (untied, [], "no lm_head.weight")
     cases["bad shard size"] = (moe, ["--max-shard-size", "lots"], "--max-shard-size")
+    hidden = mixtral.config.hidden_size
+    cases["adapter rank above the width"] = (
+        moe,
+        ["--aux-adapter-rank", hidden + 1],
+        f"--aux-adapter-rank must be in [0, hidden_size={hidden}] (0 = no adapters), got {hidden + 1}",
+    )
+    no_experts = save_source(mixtral, tmp_path / "no-experts", "single")
+    _edit_json(no_experts / "config.json", lambda d: d.update(num_local_experts=0))
+    cases["no experts"] = (no_experts, [], "mixtral config has 0 experts: a MoE checkpoint needs at least 1")
     cases["revision of a folder"] = (moe, ["--revision", "v2"], f"--revision applies to Hub sources; {moe} is a local")
     return cases
 
@@ -249,7 +258,7 @@ def test_existing_out_needs_overwrite(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("user data")
     code, stderr = run_dualflow("convert", src, out)
-    assert code == 2 and "already exists; pass --overwrite" in stderr
+    assert code == 2 and "already exists and is not empty; pass --overwrite to replace it" in stderr
     assert (out / "keep.txt").read_text() == "user data"
     code, stderr = run_dualflow("convert", src, out, "--overwrite")
     assert code == 0, stderr
@@ -270,24 +279,45 @@ def test_out_inside_the_source_and_source_inside_out_are_refused(tmp_path):
         assert sorted(os.listdir(src)) == files and os.listdir(tmp_path) == ["mix"]
 
 
+def test_an_empty_existing_out_is_written_like_a_new_one(tmp_path):
+    # One rule for convert and finetune: an existing empty folder (made by `mkdir`, a mount point) is written into.
+    src = save_source(make_source("qwen2"), tmp_path / "src", "single")
+    (tmp_path / "out").mkdir()
+    code, stderr = run_dualflow("convert", src, tmp_path / "out")
+    assert code == 0, stderr
+    modes = {(tmp_path / "out" / name).stat().st_mode for name in ("model.safetensors", "config.json")}
+    assert len(modes) == 1
+    assert not (tmp_path / "out" / UNFINISHED_MARKER).exists()
+
+
 def test_a_second_run_writing_the_same_out_fails_in_one_line(tmp_path):
     src = save_source(make_source("qwen2"), tmp_path / "src", "single")
     out = tmp_path / "out"
-    (tmp_path / ".out.partial-0123456789ab").mkdir()  # left by a killed run: holds no lock, blocks nothing
-    with staged_folder(out) as first:  # another run (convert or finetune) is writing `out`
-        (first / "theirs.txt").write_text("the first run's output")
+    with output_folder(out, "finetune") as first:  # another run (convert or finetune) is writing `out`
+        (first.path / "theirs.txt").write_text("the first run's output")
         code, stderr = run_dualflow("convert", src, out)
         assert code == 2 and stderr.count("\n") == 1, stderr
-        assert stderr.startswith(f"dualflow convert: error: another run is writing {out} (into {first});")
+        assert stderr.startswith(f"dualflow convert: error: another run is writing {out};")
     assert sorted(os.listdir(out)) == ["theirs.txt"]
-    # Another process writes `out` while this run writes it: this run fails at the end and leaves theirs alone.
-    with pytest.raises(DualFlowUserError, match="written by another process while this run was writing it"):
-        with staged_folder(out) as staging:
-            (staging / "ours.txt").write_text("this run's output")
-            out.rename(tmp_path / "moved")
-            out.mkdir()
-    assert os.listdir(out) == []
-    assert sorted(os.listdir(tmp_path)) == [".out.partial-0123456789ab", "moved", "out", "src"]
+
+
+def test_a_killed_conversion_is_reported_by_the_next_run(tmp_path):
+    src = save_source(make_source("mixtral"), tmp_path / "src", "single")
+    command = [sys.executable, "-m", "dualflow.cli", "convert", str(src), str(tmp_path / "out"), "--verify"]
+    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while not (tmp_path / "out" / "config.json").exists():
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.02)
+    process.kill()
+    process.communicate(timeout=60)
+    code, stderr = run_dualflow("convert", src, tmp_path / "out")
+    assert code == 2 and stderr.strip() == (
+        f"dualflow convert: error: output folder {tmp_path / 'out'} holds an unfinished `dualflow convert` run "
+        f"(stopped before it ended: see its {UNFINISHED_MARKER}); pass --overwrite to replace it"
+    )
+    code, stderr = run_dualflow("convert", src, tmp_path / "out", "--overwrite")
+    assert code == 0, stderr
+    assert not (tmp_path / "out" / UNFINISHED_MARKER).exists()
 
 
 # ---- memory: conversion streams, so peak RSS tracks the largest source tensor, not the checkpoint
@@ -363,11 +393,11 @@ def test_interrupted_convert_is_one_line_and_leaves_nothing(tmp_path, signum, en
     src = save_source(make_source("mixtral"), tmp_path / "src", "single")
     if entry == "cli":
         command = [sys.executable, "-m", "dualflow.cli", "convert", str(src), str(tmp_path / "out"), "--verify"]
-    else:  # convert_checkpoint called by a program of the user's: its staging folder is removed too
+    else:  # convert_checkpoint called by a program of the user's: what it wrote is removed too
         command = [sys.executable, "-c", CONVERT_IN_PYTHON, str(src), str(tmp_path / "out")]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     # --verify loads and runs both models after the folder is written: seconds in which to press Ctrl-C / kill it.
-    while not any(tmp_path.glob(".out.partial-*/config.json")):
+    while not (tmp_path / "out" / "config.json").exists():
         assert process.poll() is None, process.communicate()
         time.sleep(0.02)
     process.send_signal(signum)

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import torch
 import yaml
-from helpers import run_dualflow, tiny_model
+from helpers import run_dualflow, signallable_process, tiny_model
 from transformers import ByT5Tokenizer
 
 from dualflow.cli import main as cli_main
@@ -26,6 +26,7 @@ from dualflow.errors import DualFlowUserError
 from dualflow.hub import check_upload_folder, prepare_upload_folder, published_files
 from dualflow.lora import add_lora
 from dualflow.model_card import retarget_card, write_adapter_card, write_model_card
+from dualflow.output_folder import UNFINISHED_MARKER
 from modeling_dualflow import REMOTE_CODE_FILES
 
 
@@ -382,6 +383,15 @@ def test_adapter_with_a_local_base_needs_the_base_hub_id(adapter_folder, fake_hu
     }
 
 
+@pytest.mark.parametrize("base", ["base", "./base", "../base"])
+def test_an_adapter_with_a_relative_local_base_is_not_taken_for_a_hub_id(adapter_folder, tmp_path, capsys, base):
+    # "base" has the shape of a Hub id; PEFT saves whatever path the base was loaded from, relative ones included.
+    config = json.loads((adapter_folder / "adapter_config.json").read_text())
+    (adapter_folder / "adapter_config.json").write_text(json.dumps(config | {"base_model_name_or_path": base}))
+    assert cli_main(["push", str(adapter_folder), "someone/tiny-lora", "--dry-run"]) == 2
+    assert "which does not load from the Hub: upload the base too" in capsys.readouterr().err
+
+
 PUSH_COMMAND = [sys.executable, "-m", "dualflow.cli", "push"]
 
 
@@ -395,7 +405,7 @@ def test_push_interrupted_during_the_upload_leaves_the_folder_as_it_was(upload_f
     threading.Thread(target=hub.serve_forever, daemon=True).start()
     env = hermetic_env(tmp_path, HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_HUB_DISABLE_TELEMETRY="1")
     command = PUSH_COMMAND + [str(folder), "someone/tiny-dualflow", "--token", "hf_test"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = signallable_process(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 300
         while not hub.commit_started.wait(0.1):
@@ -422,3 +432,31 @@ def test_convert_revision_and_token_reach_the_hub(fake_hub, tmp_path):
     assert fake_hub.paths().count("/api/models/some-org/tiny-moe/revision/v2") == len(repo_info) > 0
     assert {headers["authorization"] for headers in repo_info} == {"Bearer hf_private"}
     assert os.listdir(tmp_path) == []
+
+
+def test_push_dry_run_lists_what_a_model_repo_holds_and_nothing_private(upload_folder, capsys):
+    _, folder = upload_folder
+    # What a fine-tune leaves beside the model: Trainer checkpoints (pickles holding local paths), dotfiles, pickles.
+    checkpoint = folder / "checkpoint-2"
+    checkpoint.mkdir()
+    for name in ("optimizer.pt", "rng_state.pth", "training_args.bin", "model.safetensors", "config.json"):
+        (checkpoint / name).write_bytes(b"x" * 10)
+    (folder / ".env").write_text("HF_TOKEN=secret\n")
+    (folder / ".cache").mkdir()
+    (folder / "training_args.bin").write_bytes(b"pickle")
+    (folder / "notes.pkl").write_bytes(b"pickle")
+    assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "dry run: nothing uploaded to someone/tiny-dualflow"
+    listed = {line.split()[1]: int(line.split()[0].replace(",", "")) for line in lines[1:-2]}
+    expected = {"README.md", "config.json", "model.safetensors", "tokenizer_config.json"}
+    expected |= {"attention_dualflow.py", "cache_dualflow.py", "configuration_dualflow.py", "modeling_dualflow.py"}
+    expected |= {"outputs_dualflow.py"}
+    assert expected <= set(listed) and not {name for name in listed if name.endswith((".bin", ".pkl", ".pt"))}
+    assert not {name for name in listed if name.startswith(".") or "/" in name}
+    assert listed["model.safetensors"] == (folder / "model.safetensors").stat().st_size
+    assert lines[-1] == "not uploaded: .cache/, .env, checkpoint-2/, notes.pkl, training_args.bin"
+    # A folder a run is still writing (or that was killed) is not published.
+    (folder / UNFINISHED_MARKER).write_text("{}")
+    assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--dry-run"]) == 2
+    assert "holds an unfinished run" in capsys.readouterr().err

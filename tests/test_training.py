@@ -2,6 +2,8 @@
 
 import json
 import os
+import resource
+import shutil
 import signal
 import stat
 import subprocess
@@ -12,11 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import byte_model, enable_activation_checkpointing, run_finetune, stdlib_blocks, stdlib_text
+from helpers import (
+    byte_model,
+    enable_activation_checkpointing,
+    run_finetune,
+    signallable_process,
+    stdlib_blocks,
+    stdlib_text,
+    tiny_model,
+)
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
-from dualflow.finetune import finetune, make_trainer, read_texts, split_blocks
+from dualflow.finetune import complete_checkpoints, finetune, make_trainer, read_texts, split_blocks
+from dualflow.output_folder import UNFINISHED_MARKER
 
 
 def sgd_update(model, blocks, output_dir, labels=None, **trainer_options) -> tuple[dict, float]:
@@ -186,11 +197,18 @@ def test_finetune_cli_txt_full_and_aux_only(model_dir, tmp_path, capsys):
 
     # --eval-blocks 0: no NLL before / after (a user with a big held-out set skips it), none claimed on the card.
     aux_argv = ("--data", data, "--output-dir", tmp_path / "aux", "--aux-only", "--eval-blocks", 0)
+    aux_argv += ("--data-name", "some-org/python-sources")
     assert run_finetune(model_dir, *aux_argv, *common) == 0
     output = capsys.readouterr().out
     assert "eval NLL before / after: not measured (--eval-blocks 0)" in output and "(nats) before" not in output
+    # The card names the data by what the user passes, never by a local file name.
     assert (
-        "Fine-tuned (aux-only) with `dualflow finetune` on `corpus.txt`."
+        "Fine-tuned (full) with `dualflow finetune` on local text data:"
+        in (tmp_path / "full" / "README.md").read_text()
+    )
+    assert "corpus" not in (tmp_path / "full" / "README.md").read_text()
+    assert (
+        "Fine-tuned (aux-only) with `dualflow finetune` on some-org/python-sources."
         in (tmp_path / "aux" / "README.md").read_text()
     )
     aux_only = AutoModelForCausalLM.from_pretrained(tmp_path / "aux")
@@ -292,6 +310,7 @@ def test_finetune_cli_bad_data_is_one_line_error(model_dir, tmp_path, capsys, na
         (("--lora", "--lora-r", 0), "--lora-r must be >= 1, got 0"),
         (("--eval-blocks", -1), "--eval-blocks must be >= 0 (0: no NLL before / after), got -1"),
         (("--epochs", -1), "--num-train-epochs must be > 0 (or --max-steps given), got -1.0"),  # trained nothing
+        (("--warmup-steps", -5), "--warmup-steps must be >= 0, got -5.0"),
     ],
 )
 def test_finetune_cli_bad_numbers_are_one_line_errors(model_dir, tmp_path, capsys, argv, message):
@@ -301,6 +320,43 @@ def test_finetune_cli_bad_numbers_are_one_line_errors(model_dir, tmp_path, capsy
     assert run_finetune(model_dir, "--data", data, "--output-dir", out, *argv) == 2
     assert capsys.readouterr().err == f"dualflow finetune: error: {message}\n"
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_experts", "4", "config.json: TypeError: Field 'num_experts' expected int, got str (value: '4')"),
+        ("num_hidden_layers", None, "config.json: TypeError: Field 'num_hidden_layers' expected int, got NoneType"),
+        ("vocab_size", 300, "do not match its config.json: tensor shapes differ from the config's sizes"),
+        # Letters are byte ids above 100: the byte tokenizer does not belong to a model of 100 tokens (weights match).
+        ("vocab_size", 100, "outside the model's vocabulary (vocab_size 100): the tokenizer in"),
+    ],
+)
+def test_a_wrong_config_is_a_one_line_error_before_training(model_dir, tmp_path, capsys, field, value, message):
+    if field == "vocab_size" and value == 100:
+        tiny_model(random_coupling=False, vocab_size=100).save_pretrained(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {field: value}))
+    out = tmp_path / "out"
+    argv = small_run(tmp_path, "--output-dir", out, "--max-steps", 1)
+    assert run_finetune(model_dir, *argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("dualflow finetune: error: ") and message in error and "Traceback" not in error
+    assert not out.exists()
+
+
+def test_resuming_from_a_folder_that_is_no_checkpoint_is_a_one_line_error(model_dir, tmp_path, capsys):
+    fake = tmp_path / "checkpoint-3"
+    fake.mkdir()
+    (fake / "trainer_state.json").write_text("{}")
+    out = tmp_path / "deeper" / "out"
+    argv = small_run(tmp_path, "--output-dir", out, "--max-steps", 1, "--resume-from-checkpoint", fake)
+    assert run_finetune(model_dir, *argv) == 2
+    assert capsys.readouterr().err == (
+        f"dualflow finetune: error: --resume-from-checkpoint {fake} is not a complete Trainer checkpoint folder "
+        "(trainer_state.json and the weights)\n"
+    )
+    assert not (tmp_path / "deeper").exists()  # nor the parent folders the run made
 
 
 def test_finetune_cli_truncated_weights_and_empty_data_folder_are_one_line_errors(model_dir, tmp_path, capsys):
@@ -364,50 +420,81 @@ def wait_for(pattern: str, folder: Path, process: subprocess.Popen, timeout: flo
         time.sleep(0.05)
 
 
-def stop_finetune_after_a_checkpoint(model_dir, tmp_path, signum) -> tuple[subprocess.Popen, str, list]:
-    """Run `dualflow finetune` saving every step and send it `signum` once a checkpoint is saved."""
+def finetune_command(model_dir, tmp_path, *extra) -> tuple[list, Path]:
+    """`dualflow finetune` as a command line saving a checkpoint every step, and its output folder."""
     data = tmp_path / "corpus.txt"
     data.write_text(stdlib_text("textwrap.py", chars=6000))
     out = tmp_path / "out"
-    common = ["--data", data, "--output-dir", out, "--block-size", 32, "--batch-size", 4, "--disable-tqdm", "true"]
-    common += ["--save-strategy", "steps", "--save-steps", 1]
-    command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *common, "--max-steps", 100_000]
-    process = subprocess.Popen(list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(".out.partial-*/checkpoint-*/trainer_state.json", tmp_path, process)
+    argv = ["--data", data, "--output-dir", out, "--block-size", 32, "--batch-size", 4, "--disable-tqdm", "true"]
+    argv += ["--save-strategy", "steps", "--save-steps", 1, *extra]
+    return [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv], out
+
+
+def stop_finetune_after_a_checkpoint(model_dir, tmp_path, signum) -> tuple[subprocess.Popen, str, list, Path]:
+    """Run `dualflow finetune` saving every step and send it `signum` once a checkpoint is saved."""
+    command, out = finetune_command(model_dir, tmp_path)
+    process = signallable_process([*command, "--max-steps", 100_000], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for("out/checkpoint-*/trainer_state.json", tmp_path, process)
     process.send_signal(signum)
     _, stderr = process.communicate(timeout=300)
-    return process, stderr, common
+    return process, stderr, command, out
 
 
-def test_ctrl_c_keeps_checkpoints_where_resume_finds_them(model_dir, tmp_path):
-    process, stderr, common = stop_finetune_after_a_checkpoint(model_dir, tmp_path, signal.SIGINT)
-    assert process.returncode == 130
-    kept = tmp_path / "out-checkpoints"
-    last = max(kept.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+def last_checkpoint(folder: Path) -> Path:
+    return complete_checkpoints(folder)[-1]
+
+
+@pytest.mark.parametrize(
+    "signum, status, how",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")]
+    + [(signal.SIGHUP, 129, "terminated (SIGHUP)")],
+    ids=["ctrl-c", "sigterm", "sighup"],
+)
+def test_a_stopped_run_keeps_its_checkpoints_and_the_same_command_resumes_it(model_dir, tmp_path, signum, status, how):
+    # `kill`, `timeout` and job schedulers send SIGTERM; closing the terminal or the SSH session sends SIGHUP.
+    process, stderr, command, out = stop_finetune_after_a_checkpoint(model_dir, tmp_path, signum)
+    assert process.returncode == status
+    last = last_checkpoint(out)
     # One line and no traceback after transformers' own progress bars (loading, saving).
     assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == (
-        f"dualflow finetune: interrupted; checkpoints kept in {kept}; to go on, rerun with --resume-from-checkpoint {last}"
+        f"dualflow finetune: {how}; checkpoints kept in {out} (last: {last.name}); rerun the same command to go on "
+        "from the last one"
     )
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "out-checkpoints", "tiny-dualflow"]
-
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "out", "tiny-dualflow"]
+    assert all((path / "trainer_state.json").is_file() for path in out.glob("checkpoint-*"))
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith("checkpoint-")) == [UNFINISHED_MARKER]
+    if signum != signal.SIGINT:
+        return
     step = int(last.name.split("-")[1])
-    assert run_finetune(model_dir, *common, "--max-steps", step + 1, "--resume-from-checkpoint", last) == 0
-    state = json.loads((tmp_path / "out" / f"checkpoint-{step + 1}" / "trainer_state.json").read_text())
+    completed = subprocess.run(list(map(str, [*command, "--max-steps", step + 1])), capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert f"resuming the unfinished run in {out} from its last checkpoint, {last.name}" in completed.stdout
+    state = json.loads((out / f"checkpoint-{step + 1}" / "trainer_state.json").read_text())
     assert state["global_step"] == step + 1  # went on from the kept checkpoint, not from step 0
+    assert not (out / UNFINISHED_MARKER).exists() and (out / "model.safetensors").is_file()
+    # A finished run is not started over, nor resumed, by the same command.
+    completed = subprocess.run(list(map(str, [*command, "--max-steps", step + 2])), capture_output=True, text=True)
+    assert completed.returncode == 2
+    assert completed.stderr.strip() == f"dualflow finetune: error: output folder {out} already exists and is not empty"
 
 
-def test_sigterm_keeps_checkpoints_like_ctrl_c(model_dir, tmp_path):
-    # `kill`, `timeout` and job schedulers stop a run with SIGTERM: the checkpoints must not stay in a hidden folder.
-    process, stderr, _ = stop_finetune_after_a_checkpoint(model_dir, tmp_path, signal.SIGTERM)
-    assert process.returncode == 143
-    kept = tmp_path / "out-checkpoints"
-    last = max(kept.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
-    assert "Traceback" not in stderr and stderr.strip().splitlines()[-1] == (
-        f"dualflow finetune: terminated (SIGTERM); checkpoints kept in {kept}; to go on, rerun with "
-        f"--resume-from-checkpoint {last}"
+def test_sigkill_leaves_a_visible_unfinished_run_that_the_next_run_resumes(model_dir, tmp_path):
+    process, _, command, out = stop_finetune_after_a_checkpoint(model_dir, tmp_path, signal.SIGKILL)
+    assert process.returncode == -signal.SIGKILL
+    marker = json.loads((out / UNFINISHED_MARKER).read_text())
+    assert marker["command"] == "finetune" and marker["pid"] == process.pid
+    last = last_checkpoint(out)
+    # Another run's checkpoint is not resumed into this run's folder: checkpoints of two runs never mix.
+    other = tmp_path / "other"
+    shutil.copytree(last, other / last.name)
+    completed = subprocess.run(
+        list(map(str, [*command, "--max-steps", 1, "--resume-from-checkpoint", other / last.name])),
+        capture_output=True,
+        text=True,
     )
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "out-checkpoints", "tiny-dualflow"]
-    assert all((path / "trainer_state.json").is_file() for path in kept.iterdir())
+    assert completed.returncode == 2 and completed.stderr.count("\n") == 1
+    assert "there would mix the checkpoints of two runs; choose another --output-dir" in completed.stderr
+    assert last_checkpoint(out) == last and (out / UNFINISHED_MARKER).is_file()
 
 
 @pytest.mark.parametrize("where", ["sys", "file"])
@@ -424,78 +511,156 @@ def test_unwritable_output_folder_is_one_line_error(model_dir, tmp_path, capsys,
     assert not out.exists()
 
 
-def finetune_on_small_disk(tmp_path: Path, size_kib: int, model_dir: Path, *argv) -> tuple[int, str, Path]:
+def finetune_on_a_mount(tmp_path: Path, options: str, model_dir: Path, *argv, out_name="out") -> tuple[int, str, Path]:
     """
-    `dualflow finetune MODEL ... --output-dir DISK/out` where DISK is a tmpfs of `size_kib` KiB in a mount namespace of
-    its own: a real full disk. Returns the exit status, stderr and a copy of what the disk held when the command ended.
+    `dualflow finetune MODEL ... --output-dir DISK/OUT_NAME` where DISK is a tmpfs mounted with `options` in a mount
+    namespace of its own (a real full disk, a read-only disk, a mount point as OUT). Returns the exit status, stderr and
+    a copy of what the disk held when the command ended.
     """
     disk, after = tmp_path / "disk", tmp_path / "disk-after"
     disk.mkdir()
-    script = 'mount -t tmpfs -o size="$1"k tmpfs "$2" || exit 99; "${@:4}"; status=$?; cp -a "$2" "$3"; exit $status'
-    finetune = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv, "--output-dir", disk / "out"]
+    script = 'mount -t tmpfs -o "$1" tmpfs "$2" || exit 99; "${@:4}"; status=$?; cp -a "$2" "$3"; exit $status'
+    out = disk / out_name if out_name else disk
+    finetune = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv, "--output-dir", out]
     command = ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script, "bash"]
-    command += [size_kib, disk, after, *finetune]
+    command += [options, disk, after, *finetune]
     completed = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=600)
     assert completed.returncode != 99, completed.stderr
     return completed.returncode, completed.stderr, after
 
 
-def test_full_disk_keeps_every_saved_checkpoint_and_names_the_output(model_dir, tmp_path):
+def small_run(tmp_path, *extra) -> list:
     data = tmp_path / "corpus.txt"
     data.write_text(stdlib_text("textwrap.py", chars=6000))
-    argv = ["--data", data, "--block-size", 32, "--batch-size", 4, "--max-steps", 100, "--disable-tqdm", "true"]
-    argv += ["--save-strategy", "steps", "--save-steps", 1]
+    return ["--data", data, "--block-size", 32, "--batch-size", 4, "--disable-tqdm", "true", *extra]
+
+
+def test_full_disk_keeps_every_saved_checkpoint_and_names_the_output(model_dir, tmp_path):
+    argv = small_run(tmp_path, "--max-steps", 100, "--save-strategy", "steps", "--save-steps", 1)
     # A checkpoint of this model with its optimizer state takes about 880 KiB: the fourth does not fit.
-    status, stderr, disk = finetune_on_small_disk(tmp_path, 3300, model_dir, *argv)
-    out, kept = tmp_path / "disk" / "out", tmp_path / "disk" / "out-checkpoints"
+    status, stderr, disk = finetune_on_a_mount(tmp_path, "size=3300k", model_dir, *argv)
+    out = tmp_path / "disk" / "out"
     assert status == 2 and "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
         f"dualflow finetune: error: cannot write the output folder {out}: No space left on device; "
-        f"checkpoints kept in {kept}; to go on, rerun with --resume-from-checkpoint {kept / 'checkpoint-3'}"
+        f"checkpoints kept in {out} (last: checkpoint-3); rerun the same command to go on from the last one"
     )
-    # Every complete checkpoint kept, nothing half-written or hidden left behind.
-    assert sorted(path.name for path in disk.iterdir()) == ["out-checkpoints"]
-    checkpoints = sorted((disk / "out-checkpoints").iterdir())
+    # Every complete checkpoint kept, nothing half-written left behind; the marker says the run did not end.
+    checkpoints = sorted((disk / "out").glob("checkpoint-*"))
     assert [path.name for path in checkpoints] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert sorted(path.name for path in (disk / "out").iterdir()) == [path.name for path in checkpoints] + [
+        UNFINISHED_MARKER
+    ]
     for checkpoint in checkpoints:
         assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == int(checkpoint.name[-1])
         AutoModelForCausalLM.from_pretrained(checkpoint)  # loads: complete weights
 
 
-def test_full_disk_at_the_final_save_is_one_line(model_dir, tmp_path):
-    data = tmp_path / "corpus.txt"
-    data.write_text(stdlib_text("textwrap.py", chars=6000))
-    argv = ["--data", data, "--block-size", 32, "--batch-size", 4, "--max-steps", 1, "--disable-tqdm", "true"]
-    # The config and code files fit, the weights (250 KiB) do not.
-    status, stderr, disk = finetune_on_small_disk(tmp_path, 150, model_dir, *argv)
+def test_a_disk_too_small_for_the_model_is_refused_before_training(model_dir, tmp_path):
+    # The config and code files fit, the weights (250 KiB) do not: said before the first step, not after training.
+    status, stderr, disk = finetune_on_a_mount(tmp_path, "size=150k", model_dir, *small_run(tmp_path, "--max-steps", 1))
     assert status == 2 and "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1] == (
-        f"dualflow finetune: error: cannot write the output folder {tmp_path / 'disk' / 'out'}: No space left on device"
-    )
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dualflow finetune: error: the output folder {tmp_path / 'disk' / 'out'} has ")
+    assert "this run needs about" in last
     assert list(disk.iterdir()) == []
 
 
+def test_a_read_only_disk_is_refused_in_one_line_before_any_work(model_dir, tmp_path):
+    status, stderr, disk = finetune_on_a_mount(tmp_path, "ro", model_dir, *small_run(tmp_path, "--max-steps", 1))
+    assert status == 2 and stderr.strip() == (
+        f"dualflow finetune: error: cannot write the output folder {tmp_path / 'disk' / 'out'}: Read-only file system"
+    )
+
+
+@pytest.mark.parametrize("where", ["mount point", "current folder", "symbolic link"])
+def test_the_output_folder_may_be_a_mount_point_the_current_folder_or_a_link(model_dir, tmp_path, where):
+    # Written in place, as Trainer writes its output_dir: nothing has to be renamed into OUT at the end.
+    argv = small_run(tmp_path, "--max-steps", 2, "--save-strategy", "steps", "--save-steps", 1)
+    if where == "mount point":
+        status, stderr, out = finetune_on_a_mount(tmp_path, "size=8m", model_dir, *argv, out_name=None)
+        assert status == 0, stderr[-3000:]
+    else:
+        out = tmp_path / "run"
+        out.mkdir()
+        if where == "current folder":
+            command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv, "--output-dir", "."]
+            completed = subprocess.run(list(map(str, command)), cwd=out, capture_output=True, text=True)
+        else:
+            (tmp_path / "link").symlink_to(out)
+            command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv, "--output-dir"]
+            completed = subprocess.run(list(map(str, [*command, tmp_path / "link"])), capture_output=True, text=True)
+            assert (tmp_path / "link").is_symlink()
+        assert completed.returncode == 0, completed.stderr[-3000:]
+    assert {"model.safetensors", "config.json", "checkpoint-1", "checkpoint-2"} <= {path.name for path in out.iterdir()}
+    assert not (out / UNFINISHED_MARKER).exists()
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True  # as loaded, not Trainer's False
+    # The weights get the mode every other new file gets (safetensors writes them private first), as convert's do.
+    assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode
+    AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+
 def test_diverged_run_stops_keeps_finite_checkpoints_and_fails(model_dir, tmp_path, capsys):
-    data = tmp_path / "corpus.txt"
-    data.write_text(stdlib_text("textwrap.py", chars=6000))
     out = tmp_path / "out"
-    argv = ["--data", data, "--output-dir", out, "--block-size", 32, "--batch-size", 4, "--lr", 1e6]
-    argv += ["--max-steps", 50, "--save-strategy", "steps", "--save-steps", 1, "--disable-tqdm", "true"]
-    assert run_finetune(model_dir, *argv) == 2
+    argv = small_run(tmp_path, "--output-dir", out, "--lr", 1e6, "--max-steps", 50)
+    assert run_finetune(model_dir, *argv, "--save-strategy", "steps", "--save-steps", 1) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    kept = tmp_path / "out-checkpoints"
-    steps = sorted(int(path.name.split("-")[1]) for path in kept.iterdir())
+    steps = sorted(int(path.name.split("-")[1]) for path in out.glob("checkpoint-*"))
     diverged_at = steps[-1] + 1  # stopped at the first non-finite loss, before checkpointing that step
     assert diverged_at < 50 and steps == list(range(1, diverged_at))
     assert error.startswith(
         f"dualflow finetune: error: training diverged: the loss or its gradients were NaN or inf at step {diverged_at}; "
-        f"the model was not saved; checkpoints kept in {kept}"
+        f"the model was not saved; checkpoints kept in {out} (last: checkpoint-{steps[-1]})"
     )
     # The weights of checkpoint N - 1 gave the loss or gradients: the advice goes on from the one before, if any.
-    assert f"(checkpoint-{diverged_at - 1} holds the weights that gave it)" in error
+    assert f"(those from checkpoint-{diverged_at - 1} on hold the weights that diverged)" in error
     if diverged_at > 2:
-        assert error.endswith(f"--resume-from-checkpoint {kept / f'checkpoint-{diverged_at - 2}'}")
-    assert not out.exists() and not list(tmp_path.glob(".out*"))
+        assert error.endswith(f"--resume-from-checkpoint {out / f'checkpoint-{diverged_at - 2}'}")
+    assert not (out / "model.safetensors").exists() and (out / UNFINISHED_MARKER).is_file()
     for step in steps:
-        model = AutoModelForCausalLM.from_pretrained(kept / f"checkpoint-{step}")
+        model = AutoModelForCausalLM.from_pretrained(out / f"checkpoint-{step}")
         assert all(parameter.isfinite().all() for parameter in model.parameters())
+
+
+def test_non_finite_weights_after_the_last_step_are_not_saved_as_a_model(model_dir, tmp_path, capsys):
+    # A finite loss at every step, and weights that an enormous step made infinite.
+    out = tmp_path / "out"
+    argv = small_run(tmp_path, "--output-dir", out, "--lr", 1e39, "--max-steps", 1, "--eval-blocks", 0)
+    assert run_finetune(model_dir, *argv, "--save-strategy", "steps", "--save-steps", 1) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(
+        "dualflow finetune: error: training diverged: the weights after the last step were NaN or inf at step 1; "
+        f"the model was not saved; checkpoints kept in {out} (last: checkpoint-1)"
+    )
+    assert sorted(path.name for path in out.iterdir()) == ["checkpoint-1", UNFINISHED_MARKER]
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line_without_retries(tmp_path):
+    # With the Hub allowed but out of reach (or the repo absent), one request decides: no retry warnings before it.
+    env = {name: value for name, value in os.environ.items() if name != "HF_HUB_OFFLINE"}
+    (tmp_path / "notes.txt").write_text(stdlib_text("textwrap.py", chars=3000))
+    command = [sys.executable, "-m", "dualflow.cli", "finetune", "some-org/not-a-model", "--data", "notes.txt"]
+    completed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 2 and completed.stderr.count("\n") == 1, completed.stderr
+    assert completed.stderr.startswith("dualflow finetune: error: some-org/not-a-model is ")
+    assert "the Hub is unreachable" in completed.stderr or "nor a Hub repo you can access" in completed.stderr
+
+
+def test_a_file_size_limit_at_the_final_save_is_one_line(model_dir, tmp_path):
+    # safetensors reports the failed write in a message of its own ("... (os error 27)"), with no errno to read,
+    # while the disk has room: the probe write alone would not see it.
+    limit = 100 * 1024  # below the weights' size (250 KiB)
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *small_run(tmp_path, "--max-steps", 1)]
+    completed = subprocess.run(
+        list(map(str, [*command, "--output-dir", out])), preexec_fn=limit_file_size, capture_output=True, text=True
+    )
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr
+    assert completed.stderr.strip().splitlines()[-1] == (
+        f"dualflow finetune: error: cannot write the output folder {out}: File too large"
+    )
+    assert not out.exists()

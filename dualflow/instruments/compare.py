@@ -51,6 +51,20 @@ def build_parser(prog: str = "dualflow compare") -> argparse.ArgumentParser:
     return parser
 
 
+def check_output_file(flag: str, path: Path) -> None:
+    """A one-line error now, not after the measurement, for an output file that cannot be written."""
+    if path.is_dir():
+        raise DualFlowUserError(f"{flag} {path} is a folder: give a file name")
+    existed = path.exists()
+    try:
+        with open(path, "ab"):  # creates nothing but an empty file, removed again below
+            pass
+    except OSError as error:
+        raise DualFlowUserError(f"{flag} {path} cannot be written: {error.strerror}") from None
+    if not existed:
+        path.unlink()
+
+
 def run(args) -> int:
     if args.decode_tokens < 1 or args.repeats < 1 or args.eval_tokens < 2:
         raise DualFlowUserError("--decode-tokens and --repeats must be >= 1, --eval-tokens >= 2")
@@ -70,6 +84,9 @@ def run(args) -> int:
         from .plots import pyplot
 
         pyplot()  # fails now, not after the measurement, when matplotlib is missing
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_output_file(flag, Path(path))
 
     import torch
 

@@ -57,14 +57,25 @@ def split_files(files: list[Path], val_percent: int = 10) -> tuple[list[Path], l
     return train, validation
 
 
+def read_utf8_text(path: Path) -> str:
+    """The text of a data file; a file that is not UTF-8 text (a binary file) or cannot be read is a one-line error."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise DualFlowUserError(f"data file {path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except OSError as error:
+        raise DualFlowUserError(f"cannot read data file {path}: {error.strerror}") from None
+
+
 def check_data_files(paths) -> list[Path]:
-    """Resolve user-given --data paths; a missing or empty file is a one-line user error."""
+    """Resolve user-given --data paths; a missing, empty or binary file is a one-line user error."""
     files = [Path(path) for path in paths]
     for path in files:
         if not path.is_file():
             raise DualFlowUserError(f"--data file not found: {path}")
         if path.stat().st_size == 0:
             raise DualFlowUserError(f"--data file is empty: {path}")
+        read_utf8_text(path)
     return files
 
 
