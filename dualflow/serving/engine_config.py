@@ -3,6 +3,7 @@
 from transformers import PreTrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from .kv_transfer import use_connector_without_kv_sharing_layers
 from .vllm_internals import check_vllm_version
 
 
@@ -29,18 +30,11 @@ def check_attention_head_size(head_dim: int) -> None:
         )
 
 
-# vLLM's expert-parallel all-to-all backends whose per-rank buffers hold at most the scheduler's token budget
-# (max_num_batched_tokens). With the aux flow an MoE call carries the step's tokens plus ceil(k_a / k_p) rows per
-# sampled row, up to (1 + ceil(k_a / k_p)) times the budget at decode. The other backends size their buffers per call.
-FIXED_SIZE_ALL2ALL = (
-    "pplx",
-    "deepep_low_latency",
-    "mori_high_throughput",
-    "mori_low_latency",
-    "moonep",
-    "nixl_ep",
-    "flashinfer_nvlink_one_sided",
-)
+# Compilation passes that vLLM switches on per compile range of the step's token count T (a range ending under the
+# fused kernel's size limit), while the every-row piece of the aux flow carries 2T rows (the aux rows stacked under the
+# primary ones): the fused kernel would get up to twice the rows it was chosen for. vLLM fills the ones left unset
+# (None) from its optimisation level after the model's config hook, so the hook's False turns them off.
+TOKEN_SIZED_PASSES = ("fuse_allreduce_rms", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")
 
 
 def check_supported(config, vllm_config) -> None:
@@ -63,10 +57,23 @@ def check_supported(config, vllm_config) -> None:
         raise ValueError(
             "Dual-Flow in vLLM does not support the expert-parallel load balancer: start without enable_eplb"
         )
-    if config.use_aux_flow and parallel.enable_expert_parallel and parallel.all2all_backend in FIXED_SIZE_ALL2ALL:
+    # vLLM dispatches each MoE call across data-parallel ranks with sizes taken from the step's token count, which the
+    # aux rows exceed (vLLM asserts on it), and all-to-all backends need the same number of MoE calls on every rank.
+    if parallel.data_parallel_size > 1:
         raise ValueError(
-            f"Dual-Flow in vLLM: the aux rows make an MoE call longer than the token budget that all2all_backend="
-            f"{parallel.all2all_backend!r} sizes its buffers by; use all2all_backend='allgather_reducescatter'"
+            f"Dual-Flow in vLLM does not support data parallelism (data_parallel_size={parallel.data_parallel_size}): "
+            "the aux rows make MoE calls longer than the token counts vLLM dispatches by; use tensor_parallel_size"
+        )
+    # Without data parallelism, expert parallelism splits the experts over the tensor-parallel ranks: never run here.
+    if parallel.enable_expert_parallel:
+        raise ValueError(
+            "Dual-Flow in vLLM has not been verified with expert parallelism (enable_expert_parallel, "
+            f"all2all_backend={parallel.all2all_backend!r}): start without enable_expert_parallel"
+        )
+    if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
+        raise ValueError(
+            "Dual-Flow in vLLM has not been verified with context parallelism: start with "
+            "prefill_context_parallel_size=1 and decode_context_parallel_size=1"
         )
     cudagraph_mode = vllm_config.compilation_config.cudagraph_mode
     if config.use_aux_flow and cudagraph_mode is not None and cudagraph_mode.mixed_mode() == cudagraph_mode.FULL:
@@ -76,6 +83,25 @@ def check_supported(config, vllm_config) -> None:
             f"Dual-Flow in vLLM with the aux flow cannot run steps that mix prefill and decode in full CUDA graphs "
             f"(cudagraph_mode={cudagraph_mode.name}): use FULL_AND_PIECEWISE, FULL_DECODE_ONLY or PIECEWISE"
         )
+    if config.use_aux_flow:
+        pass_config = vllm_config.compilation_config.pass_config
+        for name in TOKEN_SIZED_PASSES:
+            if getattr(pass_config, name):
+                raise ValueError(
+                    f"Dual-Flow in vLLM with the aux flow cannot run the compilation pass {name} (it sizes by the "
+                    "step's token count, the aux rows add more): start without it in compilation_config.pass_config"
+                )
+    # The aux attention layers would read pages quantised with the primary layers' scales using their own (1.0).
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ValueError(
+            "Dual-Flow in vLLM does not serve a quantised KV cache (kv_cache_dtype="
+            f"{vllm_config.cache_config.cache_dtype!r}; the aux attention layers do not share the primary layers' "
+            "KV scales): start with kv_cache_dtype='auto'"
+        )
+    # vLLM's KV connectors save and load KV for every attention layer, the aux ones included, which own none: the
+    # tested ones run as subclasses that skip them (kv_transfer.py), the others are refused.
+    if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector is not None:
+        use_connector_without_kv_sharing_layers(vllm_config.kv_transfer_config)
     if vllm_config.lora_config is not None:
         raise ValueError("Dual-Flow in vLLM does not serve LoRA adapters: start without enable_lora")
     if config.use_aux_flow and vllm_config.model_config.enable_prompt_embeds:
@@ -123,5 +149,9 @@ class DualFlowEngineConfig(VerifyAndUpdateConfig):
     def verify_and_update_config(vllm_config) -> None:
         config = vllm_config.model_config.hf_config
         check_supported(config, vllm_config)
-        if config.use_aux_flow and not getattr(config, AUX_AT_EVERY_PROMPT_POSITION, False):
+        if not config.use_aux_flow:
+            return
+        for name in TOKEN_SIZED_PASSES:
+            setattr(vllm_config.compilation_config.pass_config, name, False)
+        if not getattr(config, AUX_AT_EVERY_PROMPT_POSITION, False):
             vllm_config.cache_config.kv_sharing_fast_prefill = True

@@ -5,7 +5,8 @@ The primary flow is the base model: every scheduled token goes through it and it
 The aux flow runs only at the rows vLLM samples from (each request's last scheduled token in a step, or every draft
 position under speculative decoding); its attention reads the primary layer's cache through a KV-sharing `Attention`
 layer with twice the query heads, which writes nothing. Three compiled pieces, each with one dynamic size, chosen per
-step outside the graphs (vLLM traces a compiled module once, and picks a graph by its first dynamic size):
+step outside the graphs (vLLM traces a compiled module once; the dynamic size selects only the compile range, and the
+forward context's batch descriptor the CUDA graph):
 
 - every row sampled (pure decode, speculative verification): `DualFlowEveryRowModel`. The aux row sits at its primary
   row's position, so the two flows' rows are stacked and each projection, norm, router and experts call serves both
@@ -24,6 +25,8 @@ prefill then stays off, the aux metadata covers every row, and so does the aux f
 """
 
 from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -551,9 +554,11 @@ class DualFlowEveryRowModel(nn.Module):
 class DualFlowAuxRowsModel(nn.Module):
     """
     The compiled piece for the aux flow in steps in which vLLM samples some rows only (prefill, mixed steps): runs
-    after the primary piece, on the P sampled rows alone (`DualFlowModel.run_aux_rows`). One dynamic size, P, and its
-    inputs are views of persistent buffers (`DualFlowForCausalLM`): a CUDA graph captured for a larger P reads the
-    same addresses, computes every row on its own, and the rows past the step's P are dropped.
+    after the primary piece, on the P sampled rows alone (`DualFlowModel.run_aux_rows`). One dynamic size, P, which
+    selects the compile range; the CUDA graph is picked by the batch descriptor, set to P around this piece
+    (`batch_descriptor_for`). Its inputs are views of persistent buffers (`DualFlowForCausalLM`): a graph captured
+    for a larger P reads the same addresses, computes every row on its own, and the rows past the step's P are
+    dropped.
     """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", model: DualFlowModel):
@@ -562,6 +567,24 @@ class DualFlowAuxRowsModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, entering: torch.Tensor) -> torch.Tensor:
         return self.model.run_aux_rows(input_ids, positions, entering)
+
+
+@contextmanager
+def batch_descriptor_for(num_rows: int):
+    """
+    The forward context's batch descriptor set to `num_rows` while a piece runs on fewer rows than the step (the aux
+    rows piece on the padded sampled rows): vLLM's piecewise CUDA-graph wrapper picks the graph to replay by the
+    descriptor, not by the piece's input size, so without this a mixed step would replay the graph captured for the
+    step's padded token count, every aux layer on T rows instead of P. As vLLM's Gemma4 runs its cross-decoder.
+    """
+    context = get_forward_context()
+    step = context.batch_descriptor
+    if step is not None:
+        context.batch_descriptor = replace(step, num_tokens=num_rows)
+    try:
+        yield
+    finally:
+        context.batch_descriptor = step
 
 
 class AuxRowInputs:
@@ -617,7 +640,10 @@ class DualFlowForCausalLM(nn.Module):
                 vllm_config.model_config.dtype,
                 next(self.model.parameters()).device,
             )
-            if self.model.layers[0].self_attn.can_attend_both_flows_at_once():
+            # With a KV connector every step takes the two-call path: vLLM's connector hooks wrap each layer's own
+            # attention call, and the every-row piece writes the primary K/V without one.
+            kv_connector = vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector
+            if not kv_connector and self.model.layers[0].self_attn.can_attend_both_flows_at_once():
                 with vllm_internals.compiled_model_tag("dualflow_every_row_sampled"):
                     self.every_row_model = DualFlowEveryRowModel(
                         vllm_config=vllm_config, prefix=maybe_prefix(prefix, "every_row_model"), model=self.model
@@ -665,7 +691,8 @@ class DualFlowForCausalLM(nn.Module):
         # A copy: vLLM may hand a piece's output over from a graph memory pool that the next piece's graph reuses (the
         # note at vLLM's Gemma3n fast prefill).
         states = primary_states.clone()
-        aux_states = self.aux_rows_model(*self.aux_row_inputs.fill(rows, input_ids, positions, entering))
+        with batch_descriptor_for(rows.shape[0]):
+            aux_states = self.aux_rows_model(*self.aux_row_inputs.fill(rows, input_ids, positions, entering))
         num_sampled = rows.shape[0] if num_sampled is None else num_sampled
         return states.index_copy_(0, rows[:num_sampled], aux_states[:num_sampled])
 

@@ -2,8 +2,8 @@
 samples from are padded to a graph size by repeating the last index, the attention output of the padded rows is never
 written (`torch.empty`), and a compiled piece replays the graph captured for the step's batch size (at warm-up, with
 every row sampled) whatever the number of rows it is called with, reading its inputs from the captured addresses. The
-served logits must be the unpadded run's exactly. Each compiled piece has one dynamic size, the one vLLM picks its
-graphs by. Modes the model does not run are refused in one line before any engine process starts."""
+served logits must be the unpadded run's exactly. Each compiled piece has one dynamic size, the one vLLM selects its
+compile ranges by. Modes the model does not run are refused in one line before any engine process starts."""
 
 import math
 
@@ -64,7 +64,8 @@ def replay_aux_rows_like_cuda_graphs(worker):
     replays it when a mixed step calls it with P < T rows: on T rows read from the addresses its inputs had (the rows
     past P hold what earlier steps left there: NaN in the float ones here), its first P output rows used. Inputs that
     are not views of a buffer with room for T rows cannot be read that way (RuntimeError). Records each call's input
-    addresses in `runner.aux_rows_addresses` and counts the calls with P < T in `runner.replays_past_the_rows`.
+    addresses in `runner.aux_rows_addresses`, the forward context's batch descriptor size beside P in
+    `runner.aux_rows_descriptors`, and counts the calls with P < T in `runner.replays_past_the_rows`.
     """
     from vllm.forward_context import get_forward_context
 
@@ -72,12 +73,16 @@ def replay_aux_rows_like_cuda_graphs(worker):
     model = runner.model
     piece = model.aux_rows_model
     primary_layer = model.model.layers[0].self_attn.attn.layer_name
-    runner.aux_rows_addresses, runner.replays_past_the_rows = [], 0
+    runner.aux_rows_addresses, runner.replays_past_the_rows, runner.aux_rows_descriptors = [], 0, []
 
     def replayed(*inputs):
-        metadata = get_forward_context().attn_metadata
+        context = get_forward_context()
+        metadata = context.attn_metadata
         num_tokens = inputs[0].shape[0] if metadata is None else metadata[primary_layer].num_actual_tokens
         runner.aux_rows_addresses.append(tuple(x.data_ptr() for x in inputs))
+        # The descriptor a GPU's piecewise graph wrapper would pick this piece's graph by, beside the piece's rows.
+        descriptor = context.batch_descriptor
+        runner.aux_rows_descriptors.append((None if descriptor is None else descriptor.num_tokens, inputs[0].shape[0]))
         if inputs[0].shape[0] < num_tokens:
             runner.replays_past_the_rows += 1
         captured = [x.as_strided((num_tokens, *x.shape[1:]), x.stride(), x.storage_offset()) for x in inputs]
@@ -91,7 +96,8 @@ def replay_aux_rows_like_cuda_graphs(worker):
 
 def replay_counts(worker):
     runner = worker.model_runner
-    return runner.replays_past_the_rows, [len(set(call)) for call in zip(*runner.aux_rows_addresses)]
+    addresses = [len(set(call)) for call in zip(*runner.aux_rows_addresses)]
+    return runner.replays_past_the_rows, addresses, runner.aux_rows_descriptors
 
 
 def dynamic_sizes_of_compiled_pieces(worker):
@@ -179,8 +185,12 @@ def test_padded_sampled_rows_give_the_unpadded_logits_exactly(served):
 
 
 def test_mixed_steps_replaying_a_graph_captured_for_every_row_give_the_unpadded_logits_exactly(served):
-    unpadded, replayed, (replays_past_the_rows, addresses_per_input) = served[0], served[5], served[6]
+    unpadded, replayed, (replays_past_the_rows, addresses_per_input, descriptors) = served[0], served[5], served[6]
     assert replays_past_the_rows > 0  # mixed and prefill steps: fewer sampled rows than tokens
+    # The batch descriptor, which picks the CUDA graph on a GPU, says the aux piece's own (padded) row count, not the
+    # step's token count: each aux linear layer and expert replays on P rows.
+    assert any(size is not None for size, _ in descriptors), descriptors
+    assert all(size in (None, rows) for size, rows in descriptors), descriptors
     assert addresses_per_input == [1, 1, 1]  # token ids, positions, primary states: one address each, every step
     assert [chosen_logprobs(output) for output in replayed] == [chosen_logprobs(output) for output in unpadded]
 
@@ -209,7 +219,7 @@ def test_micro_batches_are_refused_in_one_line(served):
         ({"enable_prompt_embeds": True}, r"prompt embeddings \(enable_prompt_embeds\) need use_aux_flow=False"),
         (
             {"enable_expert_parallel": True, "all2all_backend": "deepep_low_latency"},
-            "the aux rows make an MoE call longer than the token budget that all2all_backend='deepep_low_latency'",
+            r"not been verified with expert parallelism \(enable_expert_parallel, all2all_backend='deepep_low_latency'\)",
         ),
     ],
 )
