@@ -20,6 +20,16 @@ from dualflow.instruments.two_pass import TwoPassDualFlow
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 
 
+def add_model_arguments(parser, vocab: int = 32000) -> None:
+    """The flags `build_model` reads: the model's shape."""
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--aux-top-k", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=vocab)
+
+
 def build_model(args, aux_num_rounds: int = 1) -> DualFlowForCausalLM:
     torch.manual_seed(0)
     config = DualFlowConfig(
@@ -105,12 +115,7 @@ def measure(model, model_r2, args) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--aux-top-k", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_arguments(parser)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode-context", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=32)

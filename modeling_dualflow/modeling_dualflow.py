@@ -33,7 +33,7 @@ from .attention_dualflow import (
     add_to_aux_rows,
     aux_rows_mask,
 )
-from .cache_dualflow import DualFlowCache
+from .cache_dualflow import DualFlowCache, check_cache_shapes
 from .configuration_dualflow import DualFlowConfig
 from .outputs_dualflow import (
     DualFlowCausalLMOutputWithPast,
@@ -739,10 +739,14 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         # The hook in-tree models override to choose their cache (as t5gemma does): where transformers builds a
         # DynamicCache (no cache given, `cache_implementation` None, "dynamic" or "offloaded"), a new DualFlowCache of
         # the same layout takes its place. Static and quantized caches and the user's own stay as transformers has them.
+        # The user's own may come filled by another model (the base model's prefill): one of other shapes is refused.
+        given = [model_kwargs[name] for name in ("past_key_values", "cache") if model_kwargs.get(name) is not None]
+        if given and isinstance(given[0], Cache):
+            check_cache_shapes(given[0], self.config, self.tp_size)
         builds_dynamic = (
             generation_config.use_cache is not False
             and generation_config.cache_implementation in (None, "dynamic", "offloaded")
-            and all(model_kwargs.get(name) is None for name in ("past_key_values", "cache"))
+            and not given
         )
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         if builds_dynamic and isinstance(model_kwargs.get(CACHE_FIELD), DynamicCache):
@@ -756,6 +760,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         # Like `inputs_embeds`, `aux_inputs_embeds` covers the prompt: it is used where the prompt's embeddings are.
         if aux_inputs_embeds is not None and model_inputs.get("inputs_embeds") is not None:
             model_inputs["aux_inputs_embeds"] = aux_inputs_embeds[:, -model_inputs["inputs_embeds"].shape[1] :]
+        # `generate` reads the predicted logits only: the primary rows' LM head is skipped unless asked for.
+        model_inputs.setdefault("return_primary_logits", False)
         return model_inputs
 
     @can_return_tuple
@@ -774,6 +780,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
+        return_primary_logits: bool = True,
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowCausalLMOutputWithPast:
@@ -789,6 +796,10 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         aux_num_rounds (`int`, *optional*):
             Passes of the aux flow through the layers for this call; defaults to `config.aux_num_rounds`. Values
             above 1 need a model built with `aux_num_rounds` > 1 (it holds the round gates).
+        return_primary_logits (`bool`, *optional*, defaults to `True`):
+            Compute `primary_logits` when the aux flow runs (with `labels` they are always computed: the loss needs
+            them). `generate` passes `False` unless it is given `return_primary_logits=True`, so decoding does not pay
+            for an LM head over rows whose logits nobody reads.
         cache (`Cache`, *optional*):
             `past_key_values` under the name transformers uses from 5.24 on (either works).
         """
@@ -819,7 +830,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        primary_logits, logits = self._flow_logits(outputs, keep_positions, keep_all, use_aux_flow)
+        with_primary = return_primary_logits or labels is not None
+        primary_logits, logits = self._flow_logits(outputs, keep_positions, keep_all, use_aux_flow, with_primary)
         loss = None
         if labels is not None:
             if not keep_all:
@@ -848,8 +860,11 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             aux_router_logits=outputs.aux_router_logits,
         )
 
-    def _flow_logits(self, outputs, keep_positions, keep_all, use_aux_flow):
-        """The (primary, predicted) logits at the kept positions; the prediction is the aux flow's when it ran."""
+    def _flow_logits(self, outputs, keep_positions, keep_all, use_aux_flow, with_primary):
+        """
+        The (primary, predicted) logits at the kept positions; the prediction is the aux flow's when it ran, and the
+        primary logits are None then unless `with_primary`.
+        """
         primary_rows = outputs.last_hidden_state
         if not keep_all:
             # `.to`: under a device_map the last layer may sit on another device than the inputs.
@@ -857,6 +872,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         if not use_aux_flow:
             primary_logits = self.lm_head(primary_rows)
             return primary_logits, primary_logits
+        if not with_primary:
+            return None, self.lm_head(outputs.aux_last_hidden_state)
         # One LM-head call over the rows that need logits; stacking on the batch dim keeps both halves contiguous.
         all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
         primary_logits, aux_logits = all_logits.split(primary_rows.shape[0], dim=0)

@@ -52,7 +52,8 @@ class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     logits (`torch.FloatTensor`):
         The prediction: aux flow logits when the aux flow is on, primary logits when it is off.
     primary_logits (`torch.FloatTensor`):
-        Primary flow logits at the same positions.
+        Primary flow logits at the same positions; None where the aux flow ran with `return_primary_logits=False`
+        (what `generate` passes unless asked for them).
     aux_loss (`torch.FloatTensor`, *optional*):
         The router load-balancing loss (transformers' name for it): each flow's Switch-style loss over its own rows and
         top-k, summed; padding positions are left out. Returned when `output_router_logits` is on (MoE models only).

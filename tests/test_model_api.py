@@ -133,3 +133,33 @@ def test_from_pretrained_of_another_architecture_says_to_convert(tiny_mixtral, l
     )
     with pytest.raises(ValueError, match="not a Dual-Flow one"):
         DualFlowConfig.from_pretrained(tiny_mixtral)
+
+
+def lm_head_rows_per_call(model, run) -> list[int]:
+    """The number of rows the LM head computes in each forward call that `run()` makes."""
+    rows = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, output: rows.append(args[0][..., 0].numel()))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return rows
+
+
+def test_generate_computes_logits_for_the_predicted_rows_only():
+    model = tiny_model()
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 5), generator=torch.Generator().manual_seed(0))
+    greedy = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        tokens = []
+        # one aux row per sequence and step: the primary rows' LM head is skipped
+        assert lm_head_rows_per_call(model, lambda: tokens.append(model.generate(input_ids, **greedy))) == [3] * 4
+        # asked for, the primary logits are computed as forward computes them by default
+        asked = lm_head_rows_per_call(
+            model, lambda: tokens.append(model.generate(input_ids, return_primary_logits=True, **greedy))
+        )
+        assert asked == [6] * 4 and torch.equal(tokens[0], tokens[1])
+        # forward keeps its contract: both flows' logits, the same predicted logits either way
+        both, predicted = model(input_ids), model(input_ids, return_primary_logits=False)
+    assert both.primary_logits.shape == both.logits.shape and predicted.primary_logits is None
+    torch.testing.assert_close(predicted.logits, both.logits)
