@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -371,3 +373,28 @@ def test_token_study_pairs_each_budget_with_its_own_baseline_and_interpolates_is
     plot_token_scaling({"arms": summary, "token_study": rows}, tmp_path / "tokens.png")
     assert (tmp_path / "tokens.png").read_bytes().startswith(PNG_MAGIC)
     assert token_study(summary[:4], results, DEFAULT_SCALE) == []  # a single budget is no study
+
+
+# A pool worker deadlocked in C code (a lock some other thread of the parent held at fork: the hazard of forking a
+# process with threads), where no Python signal handler can run: the second pthread_mutex_lock of a plain mutex.
+STUCK_WORKER_SCRIPT = """
+import ctypes, signal
+from dualflow.errors import terminating_signals_as_interrupt
+from dualflow.instruments.runner import fork_pool
+
+def deadlock():
+    mutex, libc = ctypes.create_string_buffer(64), ctypes.CDLL(None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+
+with terminating_signals_as_interrupt():  # the CLI's handlers, which the workers must not keep
+    with fork_pool(2, deadlock) as pool:
+        pass
+    print(signal.getsignal(signal.SIGTERM).__name__)
+"""
+
+
+def test_a_pool_worker_stuck_in_c_code_still_ends_with_the_pool():
+    completed = subprocess.run([sys.executable, "-c", STUCK_WORKER_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "terminate"  # the parent's own handler is back after the fork

@@ -1,9 +1,10 @@
 """Training the arms of `dualflow experiment`: the corpus, one run (train from scratch, score), runs in processes."""
 
+import os
 import platform
 import signal
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from multiprocessing import get_context
 
 import torch
@@ -59,29 +60,42 @@ def load_corpus(data_paths, scale: TinyScale) -> tuple[torch.Tensor, torch.Tenso
 
 _WORKER_DATA: dict = {}
 
+# Signals the parent handles (Ctrl-C; SIGTERM and SIGHUP as interrupts) and its pool workers must not: a terminal's
+# Ctrl-C reaches the whole process group and only the parent answers it; Pool.terminate() ends workers with SIGTERM,
+# which must kill even a worker stuck in C code, where a Python handler never runs.
+_WORKER_DISPOSITIONS = {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL}
+_forking_pool = False  # read in the child at fork time
+
+
+def _unblock_in_pool_worker():
+    if _forking_pool:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_WORKER_DISPOSITIONS))
+
+
+os.register_at_fork(after_in_child=_unblock_in_pool_worker)
+
 
 @contextmanager
 def fork_pool(processes: int, initializer=None, initargs=()):
     """
     A fork Pool (workers share the loaded modules and data; torch resets its thread pools at fork) whose workers
-    ignore SIGINT: a terminal's Ctrl-C reaches the whole process group, and only the parent answers it (it terminates
-    the pool and prints one line). SIGINT stays blocked while the workers fork, so a Ctrl-C in that window waits for
-    the parent instead of reaching a worker before it ignores the signal, or being lost.
+    ignore SIGINT and die of SIGTERM and SIGHUP. The workers get those dispositions at fork, before running any code:
+    the parent blocks the signals and switches to the workers' dispositions while it forks, so one that arrives
+    meanwhile waits for the parent's own handler instead of being lost or reaching it as the default action.
     """
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    global _forking_pool
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(_WORKER_DISPOSITIONS))
+    parent_dispositions = {signum: signal.signal(signum, action) for signum, action in _WORKER_DISPOSITIONS.items()}
+    _forking_pool = True
     try:
-        pool = get_context("fork").Pool(processes, _start_quiet_worker, (initializer, initargs))
+        pool = get_context("fork").Pool(processes, initializer, initargs)
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a Ctrl-C that came meanwhile is raised here
+        _forking_pool = False
+        for signum, action in parent_dispositions.items():
+            signal.signal(signum, action)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_WORKER_DISPOSITIONS))  # what came meanwhile is handled here
     with pool:
         yield pool
-
-
-def _start_quiet_worker(initializer, initargs):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also discards a SIGINT pending since the fork
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    if initializer is not None:
-        initializer(*initargs)
 
 
 def _init_worker(train_tokens, val_blocks, threads):
@@ -128,7 +142,14 @@ def run_arms(arms, scale, seeds, train_tokens, val_blocks, jobs=1, threads=1, do
     for arm in arms:
         results.setdefault(arm.name, [])
     tasks = [(arm, seed) for seed in seeds for arm in arms if seed not in {run["seed"] for run in results[arm.name]}]
-    with tqdm(total=len(tasks), desc="runs") as bar:
+    with ExitStack() as stack:
+        # the workers fork before the bar starts its monitor thread: a fork copies no other thread's locks
+        pool = (
+            stack.enter_context(fork_pool(jobs, _init_worker, (train_tokens, val_blocks, threads)))
+            if jobs > 1
+            else None
+        )
+        bar = stack.enter_context(tqdm(total=len(tasks), desc="runs"))
 
         def finished(arm, run):
             results[arm.name].append(run)
@@ -137,13 +158,12 @@ def run_arms(arms, scale, seeds, train_tokens, val_blocks, jobs=1, threads=1, do
             bar.set_postfix_str(f"{arm.name} seed {run['seed']}: val {run['val_loss']:.4f}")
             bar.update()
 
-        if jobs == 1:
+        if pool is None:
             torch.set_num_threads(threads)
             for arm, seed in tasks:
                 finished(arm, train_and_score(arm, scale, seed, train_tokens, val_blocks))
         else:
-            with fork_pool(jobs, _init_worker, (train_tokens, val_blocks, threads)) as pool:
-                pending = [(arm, pool.apply_async(train_and_score, (arm, scale, seed))) for arm, seed in tasks]
-                for arm, result in pending:
-                    finished(arm, result.get())
+            pending = [(arm, pool.apply_async(train_and_score, (arm, scale, seed))) for arm, seed in tasks]
+            for arm, result in pending:
+                finished(arm, result.get())
     return results
