@@ -7,12 +7,23 @@ attention ops save and wait for each layer they run, and the ExampleConnector lo
 has a `kv_cache`. So the engine configuration (engine_config.py) swaps the configured connector class for a subclass
 that leaves the KV-sharing layers out of those four calls (`DualFlow<connector name>`, built here by name); the
 scheduler side, the files and the wire format stay the connector's own, so the other side can be a base-model engine.
+
+The other side must serve this model's primary flow (its source model, or the checkpoint itself). Where a connector's
+wire format lets the consumer see the other side's shapes, KV of another model is refused by vLLM's own mechanism for
+KV that fails to load: its blocks are reported as load errors, and the engine's `kv_load_failure_policy` applies
+(by default the request ends with an error; "recompute" computes the prompt here instead).
 """
 
 import dataclasses
 from functools import cache, cached_property
 
+import torch
+from safetensors import safe_open
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.logger import init_logger
+
+
+logger = init_logger(__name__)
 
 
 PREFIX = "DualFlow"
@@ -45,10 +56,66 @@ class SkipKVSharingLayers:
             super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
 
+class RefuseOtherModelsFiles:
+    """
+    Mixed in before the ExampleConnector, whose files hold one layer's KV of one prompt and nothing of the model that
+    wrote them: a request whose files miss one of this model's KV-owning layers (a producer with fewer layers) or hold
+    KV of another shape per token (other heads or head size) is not loaded, and its blocks are load errors. A producer
+    with more layers of the same shapes cannot be told apart by these files.
+    """
+
+    def start_load_kv(self, forward_context, **kwargs):
+        metadata = self._get_connector_metadata()
+        loaded = []
+        for request in metadata.requests:
+            problem = None if request.is_store else self._kv_file_problem(request, forward_context.no_compile_layers)
+            if problem is None:
+                loaded.append(request)
+            else:
+                logger.warning("KV of a %d-token prompt not loaded: %s", len(request.slot_mapping), problem)
+                self._blocks_with_load_errors.update((request.slot_mapping // self._block_size).tolist())
+        metadata.requests = loaded
+        super().start_load_kv(forward_context, **kwargs)
+
+    def _kv_file_problem(self, request, layers) -> str | None:
+        for name, layer in layers.items():
+            pages = getattr(layer, "kv_cache", None)
+            if pages is None:
+                continue
+            path = self._generate_filename_debug(name, request.token_ids, request.mm_hashes)
+            try:
+                with safe_open(path, "pt") as file:
+                    shape = tuple(file.get_slice("kv_cache").get_shape())
+            except FileNotFoundError:
+                return f"the producer wrote no KV for layer {name} (a model with fewer layers)"
+            # what the connector writes into the pages for these tokens: [tokens, ...] in the pages' own layout
+            slots = torch.zeros(len(request.slot_mapping), dtype=torch.long, device="meta")
+            expected = tuple(torch.empty(pages.shape, device="meta")[slots, :, slots].shape)
+            if shape != expected:
+                return (
+                    f"layer {name} holds KV of shape {list(shape)}, this model's take {list(expected)} (another model)"
+                )
+        return None
+
+    @cached_property
+    def _blocks_with_load_errors(self) -> set[int]:
+        return set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        blocks = super().get_block_ids_with_load_errors() | self._blocks_with_load_errors
+        self._blocks_with_load_errors.clear()
+        return blocks
+
+
+# Checks a connector's wire format allows on the consumer side.
+FILE_CHECKS = {"ExampleConnector": (RefuseOtherModelsFiles,)}
+
+
 @cache
 def connector_class(name: str) -> type:
     """`DualFlow<connector name>`: the connector vLLM registers under that name, without the KV-sharing layers."""
-    return type(PREFIX + name, (SkipKVSharingLayers, KVConnectorFactory.get_connector_class_by_name(name)), {})
+    bases = (SkipKVSharingLayers, *FILE_CHECKS.get(name, ()), KVConnectorFactory.get_connector_class_by_name(name))
+    return type(PREFIX + name, bases, {})
 
 
 def __getattr__(name: str):

@@ -1,19 +1,38 @@
-"""Prefill on the base model, decode with Dual-Flow (docs/serving.md): vLLM's native Qwen3-MoE engine writes the
-prompts' KV through the ExampleConnector, a Dual-Flow engine reads it and decodes the Dual-Flow engine's tokens. The
-aux attention layers (KV-sharing, no pages of their own) are neither saved nor loaded."""
+"""Prefill on the base model, decode with Dual-Flow (docs/serving.md): vLLM's native Qwen3-MoE engine (or the Dual-Flow
+checkpoint, aux flow on or off) writes the prompts' KV through the ExampleConnector, a Dual-Flow engine reads it and
+decodes the Dual-Flow engine's tokens. The aux attention layers (KV-sharing, no pages of their own) are neither saved
+nor loaded; KV of another model is refused."""
+
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from vllm.distributed.kv_transfer import get_kv_transfer_group
-from vllm_reference import assert_matches_transformers, load_reference, random_prompts, running_engine, served_greedy
+from vllm_reference import (
+    ENGINE_ARGS,
+    SOURCE,
+    assert_matches_transformers,
+    load_reference,
+    random_prompts,
+    running_engine,
+    served_greedy,
+)
 
 
 # Not multiples of the block size (32): the connector injects the whole blocks, the engine computes the rest. The
-# base model prefills the first prompts, a Dual-Flow engine (aux flow on: its aux layers run and must save nothing) the
-# others.
+# base model prefills the first prompts, the Dual-Flow checkpoint with its aux flow off the next, a Dual-Flow engine
+# (aux flow on: its aux layers run and must save nothing) the last ones.
 BASE_PROMPTS = random_prompts([40, 71, 33], seed=5)
+PRIMARY_ONLY_PROMPTS = random_prompts([50], seed=7)
 DUAL_FLOW_PROMPTS = random_prompts([45, 38], seed=6)
+PROMPTS = BASE_PROMPTS + PRIMARY_ONLY_PROMPTS + DUAL_FLOW_PROMPTS
 MAX_NEW_TOKENS = 8
+BLOCK_SIZE = ENGINE_ARGS["block_size"]
+# Another Qwen3-MoE: one layer, head size 64 instead of 32.
+OTHER_MODEL = SOURCE | dict(num_hidden_layers=1, num_attention_heads=2, head_dim=64)
 
 
 def connector(role: str, storage) -> dict:
@@ -28,27 +47,91 @@ def prefill(model, prompts, storage, **engine_args) -> None:
         served_greedy(producer, prompts, max_new_tokens=1)
 
 
-def test_base_model_prefill_then_dual_flow_decode(checkpoint, engines, tmp_path):
-    engines.close()  # one CPU engine at a time (conftest.py)
-    storage = tmp_path / "kv"
-    prefill(checkpoint.parent / "source", BASE_PROMPTS, storage, tokenizer=str(checkpoint))
-    prefill(checkpoint, DUAL_FLOW_PROMPTS, storage)
-    saved = [path.name for path in storage.rglob("*.safetensors")]
-    assert len(saved) == 2 * len(BASE_PROMPTS + DUAL_FLOW_PROMPTS) and not any("aux" in name for name in saved)
+def tokens_of(outputs) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
 
-    prompts, reference = BASE_PROMPTS + DUAL_FLOW_PROMPTS, load_reference(checkpoint)
+
+@pytest.fixture(scope="module")
+def storage(checkpoint, engines, tmp_path_factory):
+    """The prompts' KV, written by the three kinds of producer."""
+    engines.close()  # one CPU engine at a time (conftest.py)
+    storage = tmp_path_factory.mktemp("kv")
+    prefill(checkpoint.parent / "source", BASE_PROMPTS, storage, tokenizer=str(checkpoint))
+    prefill(checkpoint, PRIMARY_ONLY_PROMPTS, storage, hf_overrides={"use_aux_flow": False})
+    prefill(checkpoint, DUAL_FLOW_PROMPTS, storage)
+    return storage
+
+
+def test_base_model_prefill_then_dual_flow_decode(checkpoint, storage):
+    saved = [path.name for path in storage.rglob("*.safetensors")]
+    assert len(saved) == 2 * len(PROMPTS) and not any("aux" in name for name in saved)
+
+    reference = load_reference(checkpoint)
     # prefix caching off: each run loads the prompts' KV from the connector, not from the engine's own cache
     with running_engine(checkpoint, enable_prefix_caching=False, **connector("kv_consumer", storage)) as consumer:
         # the engine configuration swapped in the subclass that skips the aux (KV-sharing) layers
         assert type(get_kv_transfer_group()).__name__ == "DualFlowExampleConnector"
-        outputs = served_greedy(consumer, prompts, MAX_NEW_TOKENS)
-        assert_matches_transformers(outputs, prompts, reference, MAX_NEW_TOKENS)
+        outputs = served_greedy(consumer, PROMPTS, MAX_NEW_TOKENS)
+        assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW_TOKENS)
         # the tokens come from the loaded KV: with the primary layer 0's keys and values scaled, they change
-        for path in storage.rglob("*layers.0.self_attn.attn.safetensors"):
-            save_file({"kv_cache": 3.0 * load_file(path)["kv_cache"]}, path)
-        changed = served_greedy(consumer, prompts, MAX_NEW_TOKENS)
-    tokens = [list(output.outputs[0].token_ids) for output in outputs]
-    assert tokens != [list(output.outputs[0].token_ids) for output in changed]
+        layer_0 = {path: load_file(path) for path in storage.rglob("*layers.0.self_attn.attn.safetensors")}
+        try:
+            for path, tensors in layer_0.items():
+                save_file({"kv_cache": 3.0 * tensors["kv_cache"]}, path)
+            changed = served_greedy(consumer, PROMPTS, MAX_NEW_TOKENS)
+        finally:  # the other tests read these files
+            for path, tensors in layer_0.items():
+                save_file(tensors, path)
+    assert tokens_of(outputs) != tokens_of(changed)
+
+
+def test_rounds_and_adapters_with_prefix_caching(adapter_checkpoint, checkpoint, storage):
+    # the adapter checkpoint is a conversion of the same source model: the base model's KV is its primary flow's
+    source, same_source = (
+        load_file(folder.parent / "source" / "model.safetensors") for folder in (checkpoint, adapter_checkpoint)
+    )
+    assert all(torch.equal(source[name], same_source[name]) for name in source)
+
+    reference = load_reference(adapter_checkpoint)
+    with running_engine(
+        adapter_checkpoint, enable_prefix_caching=True, **connector("kv_consumer", storage)
+    ) as consumer:
+        first = served_greedy(consumer, PROMPTS, MAX_NEW_TOKENS)
+        again = served_greedy(consumer, PROMPTS, MAX_NEW_TOKENS)  # the whole blocks are in the engine's cache now
+    assert_matches_transformers(first, PROMPTS, reference, MAX_NEW_TOKENS)
+    assert tokens_of(again) == tokens_of(first)
+
+
+def test_kv_of_another_model_is_refused(checkpoint, storage, tmp_path, caplog):
+    other = tmp_path / "other-model"
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**OTHER_MODEL)).save_pretrained(other)
+    foreign = tmp_path / "kv"
+    other_prompts = random_prompts([40, 50], seed=8)
+    prefill(other, other_prompts, foreign, tokenizer=str(checkpoint))
+    with running_engine(checkpoint, enable_prefix_caching=False, **connector("kv_consumer", foreign)) as consumer:
+        # and a producer with fewer layers: a prompt's files without layer 1's (the folder is named by its tokens)
+        prompt = BASE_PROMPTS[0]
+        whole_blocks = torch.tensor(prompt[: (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE])
+        folder = Path(get_kv_transfer_group()._generate_foldername_debug(whole_blocks, []))
+        shutil.copytree(storage / folder.name, foreign / folder.name)
+        (foreign / folder.name / "model.layers.1.self_attn.attn.safetensors").unlink()
+        caplog.clear()
+        refused = served_greedy(consumer, other_prompts + [prompt], MAX_NEW_TOKENS)
+    # vLLM's kv_load_failure_policy ("fail" by default) ends each request with an error instead of serving it
+    assert [(output.outputs[0].finish_reason, list(output.outputs[0].token_ids)) for output in refused] == [
+        ("error", [])
+    ] * 3
+    log = caplog.text
+    assert "KV of a 32-token prompt not loaded: layer model.layers.0.self_attn.attn holds KV of shape" in log
+    assert "the producer wrote no KV for layer model.layers.1.self_attn.attn (a model with fewer layers)" in log
+
+    # with kv_load_failure_policy "recompute" the engine computes those prompts itself: the Dual-Flow engine's tokens
+    recompute = connector("kv_consumer", foreign)
+    recompute["kv_transfer_config"]["kv_load_failure_policy"] = "recompute"
+    with running_engine(checkpoint, enable_prefix_caching=False, **recompute) as consumer:
+        recomputed = served_greedy(consumer, other_prompts + [prompt], MAX_NEW_TOKENS)
+    assert_matches_transformers(recomputed, other_prompts + [prompt], load_reference(checkpoint), MAX_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["NixlConnector", "LMCacheConnectorV1", "OffloadingConnector"])
