@@ -261,16 +261,22 @@ def run_finetune(*argv) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         status = dualflow_main(["finetune", *map(str, argv)])
-    assert [str(warning.message) for warning in caught] == []
+    messages = [f"{warning.category.__name__}: {warning.message}" for warning in caught]
+    assert not messages, messages
     return status
 
 
 def signallable_process(command, **kwargs) -> subprocess.Popen:
     """
-    A child that Ctrl-C (SIGINT) reaches as in a terminal, also when the test session runs as a background job (a
-    non-interactive shell starts those with SIGINT ignored, and children inherit that).
+    A child that Ctrl-C (SIGINT) and a closed terminal (SIGHUP) reach as in a terminal, also when the test session runs
+    as a background job (a non-interactive shell starts those with SIGINT ignored) or under nohup (SIGHUP ignored):
+    children inherit ignored signals.
     """
-    restore = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+
+    def restore():
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+
     return subprocess.Popen(list(map(str, command)), preexec_fn=restore, text=True, **kwargs)
 
 

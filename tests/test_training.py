@@ -434,9 +434,14 @@ def stop_finetune_after_a_checkpoint(model_dir, tmp_path, signum) -> tuple[subpr
     """Run `dualflow finetune` saving every step and send it `signum` once a checkpoint is saved."""
     command, out = finetune_command(model_dir, tmp_path)
     process = signallable_process([*command, "--max-steps", 100_000], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    wait_for("out/checkpoint-*/trainer_state.json", tmp_path, process)
-    process.send_signal(signum)
-    _, stderr = process.communicate(timeout=300)
+    try:
+        wait_for("out/checkpoint-*/trainer_state.json", tmp_path, process)
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=300)
+    except BaseException:  # a failed test must not leave a 100000-step run training beside the next tests
+        process.kill()
+        process.communicate()
+        raise
     return process, stderr, command, out
 
 
