@@ -6,7 +6,8 @@
 `return_primary_logits=True`); it now computes the predicted (aux) rows' logits only ("after", its default). Both run
 beside the aux flow off (the base model), interleaved in an order rotated every repeat, greedy, same prompt and
 weights. Prints the median seconds per generated token of each, and the medians of the per-repeat ratios aux on / off
-before and after, with their standard errors (the spread of the per-repeat ratios over sqrt(repeats)).
+before and after and after / before, with their standard errors (the spread of the per-repeat ratios over
+sqrt(repeats)).
 """
 
 import argparse
@@ -59,13 +60,15 @@ def main():
         f"vocab {args.vocab}, prompt {args.prompt}, {args.tokens} new tokens, {args.repeats} repeats, "
         f"{args.threads} threads, fp32"
     )
-    print(f"{'batch':>5} {'off ms/tok':>11} {'before':>8} {'after':>8} {'on/off before':>16} {'on/off after':>16}")
+    columns = ("on/off before", "on/off after", "after/before")
+    print(f"{'batch':>5} {'off ms/tok':>11} {'before':>8} {'after':>8}" + "".join(f"{c:>16}" for c in columns))
     for batch in args.batch:
         samples = measure(model, batch, args)
         off, before, after = (samples[name] for name in ("aux off", "aux on, before", "aux on, after"))
         print(
             f"{batch:>5} {1e3 * statistics.median(off):>11.2f} {1e3 * statistics.median(before):>8.2f} "
             f"{1e3 * statistics.median(after):>8.2f} {ratio_summary(before, off):>16} {ratio_summary(after, off):>16}"
+            f"{ratio_summary(after, before):>16}"
         )
 
 
