@@ -44,6 +44,9 @@ def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlo
     """`output` (batch, rows, out) with `adapter(inputs)` added to its aux rows (>= num_primary); primary rows untouched."""
     if adapter is None or output.shape[1] == num_primary:
         return output
+    if output.shape[-1] != adapter.up.shape[0] or inputs.shape[-1] != adapter.down.shape[1]:
+        # tensor parallelism: the shared projection's output (q_proj) or input (o_proj) is this rank's shard
+        raise ValueError("aux adapters do not support tensor parallelism: load the model without a tp_plan")
     aux_output = output[:, num_primary:] + adapter(inputs[:, num_primary:])
     return torch.cat([output[:, :num_primary], aux_output], dim=1) if num_primary else aux_output
 

@@ -178,6 +178,7 @@ TP_CHECKPOINTS = {
     "moe": dict(qk_norm="per_head", aux_num_experts_per_tok=3, shared_expert_intermediate_size=16),
     "olmoe": dict(qk_norm="full", clip_qkv=0.5, norm_topk_prob=False),
     "dense": dict(num_experts=0),
+    "adapters": dict(qk_norm="per_head", aux_adapter_rank=4),
 }
 TP_CASES = [
     dict(name="moe_tp", checkpoint="moe", parallel="tp", remote=False),
@@ -186,6 +187,7 @@ TP_CASES = [
     dict(name="moe_ep_eager_experts", checkpoint="moe", parallel="ep", remote=False, experts_implementation="eager"),
     dict(name="olmoe_tp", checkpoint="olmoe", parallel="tp", remote=False),
     dict(name="dense_tp", checkpoint="dense", parallel="tp", remote=False),
+    dict(name="adapters_tp", checkpoint="adapters", parallel="tp", remote=False),
 ]
 
 
@@ -202,6 +204,9 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
     results = json.loads((tmp_path / "result.json").read_text())
 
     assert results.keys() == {case["name"] for case in TP_CASES}
+    # aux adapters hold full-width deltas of head-sharded projections: refused in one line, not added to a shard
+    refused = results.pop("adapters_tp")
+    assert refused == {"refused": "aux adapters do not support tensor parallelism: load the model without a tp_plan"}
     for name, result in results.items():
         assert result["logits_max_diff"] <= 1e-5 and result["primary_logits_max_diff"] <= 1e-5, (name, result)
         assert result["same_greedy_tokens"], name

@@ -6,6 +6,7 @@ Launched by tests/test_distributed.py as
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/tp_logits.py CASES.json OUT.json
 
 CASES.json lists {"name", "path", "parallel": "tp" | "ep", "remote": bool, "experts_implementation": str | null}.
+A case whose sharded forward raises a ValueError (a refusal) gets {"refused": message} instead.
 Every rank loads each checkpoint twice: unsharded, and with `DistributedConfig` (`tp_plan="auto"`, or
 `tp_size=2, ep_size=2`), through the package's class or the remote-code class saved next to the weights. Rank 0
 writes, per case, the largest logit differences, whether greedy generations agree, and what each rank holds locally.
@@ -50,7 +51,10 @@ def compare(case: dict) -> dict:
     attention_mask[0, :3] = 0  # left padding
     with torch.no_grad():
         expected = reference(input_ids, attention_mask=attention_mask)
-        actual = sharded(input_ids, attention_mask=attention_mask)
+        try:
+            actual = sharded(input_ids, attention_mask=attention_mask)
+        except ValueError as error:  # what the model refuses under this parallelism
+            return {"refused": str(error)}
     generate = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
     same_tokens = torch.equal(reference.generate(input_ids, **generate), sharded.generate(input_ids, **generate))
     layer = sharded.model.layers[-1]
