@@ -703,37 +703,13 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
                 adapter.up.zero_()  # `down` keeps its random draw, or the adapter could never learn
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        # The aux embedding follows the primary one, by transformers' own rule (as Gemma 3n does for its extra table).
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
-        self.model.aux_embed_tokens = self._resized_aux_embedding(embeddings.weight.shape[0], mean_resizing)
+        aux = self.model.aux_embed_tokens
+        self.model.aux_embed_tokens = self._get_resized_embeddings(aux, embeddings.num_embeddings, None, mean_resizing)
+        self.model.aux_embed_tokens.requires_grad_(aux.weight.requires_grad)
         self.model.vocab_size = self.config.vocab_size
         return embeddings
-
-    @torch.no_grad()
-    def _resized_aux_embedding(self, num_tokens: int, mean_resizing: bool) -> nn.Embedding:
-        """
-        A new aux embedding of `num_tokens` rows, by transformers' rule for the primary one: the kept rows copied; added
-        rows, with `mean_resizing`, drawn from N(mean, 1e-9 * covariance) of the old rows (their mean where that
-        covariance is not positive definite), else drawn like a new embedding's.
-        """
-        old = self.model.aux_embed_tokens
-        new = nn.Embedding(
-            num_tokens, old.embedding_dim, old.padding_idx, device=old.weight.device, dtype=old.weight.dtype
-        )
-        kept = min(num_tokens, old.num_embeddings)
-        new.weight[:kept] = old.weight[:kept]
-        added = num_tokens - kept
-        if added and mean_resizing:
-            rows = old.weight.float()
-            mean = rows.mean(dim=0)
-            covariance = 1e-9 * (rows - mean).T @ (rows - mean) / rows.shape[0]
-            if torch.distributions.constraints.positive_definite.check(covariance).all():
-                samples = torch.distributions.MultivariateNormal(mean, covariance_matrix=covariance).sample((added,))
-            else:
-                samples = mean.expand(added, -1)
-            new.weight[kept:] = samples.to(new.weight.dtype)
-        elif added:
-            new.weight[kept:].normal_(mean=0.0, std=self.config.initializer_range)
-        return new
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # The hook in-tree models override to choose their cache (as t5gemma does): where transformers builds a
