@@ -15,6 +15,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from dualflow.convert import init_aux_from_primary
 from dualflow.instruments.probes import rotated, seconds
 from dualflow.instruments.two_pass import TwoPassDualFlow
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
@@ -47,7 +48,7 @@ def build_model(args, aux_num_rounds: int = 1) -> DualFlowForCausalLM:
         max_position_embeddings=4096,
     )
     model = DualFlowForCausalLM(config).eval()
-    model.init_aux_from_primary()
+    init_aux_from_primary(model)
     return model
 
 

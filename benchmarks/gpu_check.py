@@ -29,6 +29,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout: no install needed
 
 from convert.families import family_for  # noqa: E402
+from dualflow.convert import init_aux_from_primary  # noqa: E402
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM  # noqa: E402
 
 
@@ -113,7 +114,7 @@ def build_models(shape: dict, device, dtype):
     missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
     if unexpected or any(not any(part.startswith("aux_") for part in name.split(".")) for name in missing):
         raise RuntimeError(f"weights do not map: missing {missing}, unexpected {unexpected}")
-    model.init_aux_from_primary()
+    init_aux_from_primary(model)
     return source, model
 
 

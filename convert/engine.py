@@ -76,11 +76,27 @@ def _expert_pieces(local: str, prefix: str, family: Family, config: DualFlowConf
     return [Piece(prefix + names.down.format(e=e), (hidden, inner)) for e in range(config.num_experts)]
 
 
+# The upcycling init, with which the aux flow computes exactly the primary one (at k_a = k_p): the aux embedding a
+# copy of the primary one; no coupling, extra aux rounds as the identity, aux adapters adding nothing.
+AUX_EMBEDDING = "model.aux_embed_tokens.weight"
+ZERO_AT_UPCYCLING = (".aux_coupling.weight", ".aux_round_gate.weight", "_adapter.up")
+
+
+@torch.no_grad()
+def init_aux_from_primary(model: DualFlowForCausalLM) -> DualFlowForCausalLM:
+    """The upcycling init, in place, on a model in memory (what `convert_checkpoint` writes). Returns the model."""
+    parameters = dict(model.named_parameters())
+    parameters[AUX_EMBEDDING].copy_(parameters[EMBEDDING])
+    for name, parameter in parameters.items():
+        if name.endswith(ZERO_AT_UPCYCLING):
+            parameter.zero_()  # an adapter's `down` keeps its random draw, or the adapter could never learn
+    return model
+
+
 def _pieces_for(name: str, shape, source: SourceCheckpoint, family: Family, config: DualFlowConfig) -> list[Piece]:
-    if name == "model.aux_embed_tokens.weight":
-        return [Piece(EMBEDDING, shape)]  # upcycling init: the aux embedding starts as a copy of the primary one
-    if name.endswith((".aux_coupling.weight", ".aux_round_gate.weight", "_adapter.up")):
-        # upcycling init: no coupling, extra aux rounds start as the identity, aux adapters add nothing
+    if name == AUX_EMBEDDING:
+        return [Piece(EMBEDDING, shape)]
+    if name.endswith(ZERO_AT_UPCYCLING):
         return [Piece(None, shape)]
     if name.endswith("_adapter.down"):  # random, as at initialisation: with `up` = 0 a zero `down` would never train
         return [Piece(None, shape, std=config.initializer_range, seed=zlib.crc32(name.encode()))]

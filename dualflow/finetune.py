@@ -22,6 +22,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
 
+from .aux_training import freeze_for_aux_training
 from .checkpoint import WEIGHT_FILES, load_dualflow_config, load_dualflow_model, load_tokenizer
 from .errors import DualFlowInterrupted, DualFlowUserError
 from .instruments.data import read_utf8_text
@@ -460,7 +461,7 @@ def finetune(
             source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
             model = load_dualflow_model(source, config=config, dtype=torch.float32)
             if aux_only:
-                model.freeze_for_aux_training()
+                freeze_for_aux_training(model)
             # Training settings restored before saving: the router balance loss is part of the training objective
             # (the model's loss adds it), and Trainer turns the cache off.
             saved_settings = {"output_router_logits": model.config.output_router_logits, "use_cache": config.use_cache}

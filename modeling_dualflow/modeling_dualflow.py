@@ -668,40 +668,6 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         """
         return [name for name, _ in self.named_parameters() if any(part.startswith("aux_") for part in name.split("."))]
 
-    def freeze_for_aux_training(self) -> "DualFlowForCausalLM":
-        """
-        Cheap upcycling recipe: train only the aux flow's own parameters (`aux_parameter_names`). Every shared weight
-        stays frozen, so the primary flow, its logits and its cache stay bit-identical to the model before training.
-        """
-        return self._train_only(aux_flow=True)
-
-    def freeze_aux_flow(self) -> "DualFlowForCausalLM":
-        """
-        The inverse of `freeze_for_aux_training`: train every shared weight, freeze the aux flow's own parameters (a
-        model trained as a single flow, `use_aux_flow=False`, where they take no part).
-        """
-        return self._train_only(aux_flow=False)
-
-    def _train_only(self, aux_flow: bool) -> "DualFlowForCausalLM":
-        aux_names = set(self.aux_parameter_names())
-        for name, parameter in self.named_parameters():
-            parameter.requires_grad_((name in aux_names) == aux_flow)
-        return self
-
-    @torch.no_grad()
-    def init_aux_from_primary(self):
-        """
-        Upcycling init: aux embedding = primary embedding, coupling = 0, round gates = 0, adapter deltas = 0 (with
-        k_a == k_p: aux == primary).
-        """
-        self.model.aux_embed_tokens.weight.copy_(self.model.embed_tokens.weight)
-        for layer in self.model.layers:
-            layer.aux_coupling.weight.zero_()
-            if layer.aux_round_gate is not None:
-                layer.aux_round_gate.weight.zero_()
-            for adapter in (module for module in layer.modules() if isinstance(module, DualFlowAuxAdapter)):
-                adapter.up.zero_()  # `down` keeps its random draw, or the adapter could never learn
-
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
         # The aux embedding follows the primary one, by transformers' own rule (as Gemma 3n does for its extra table).
         embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)

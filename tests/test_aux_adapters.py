@@ -21,6 +21,7 @@ from helpers import (
 )
 from transformers import AutoModelForCausalLM, ByT5Tokenizer
 
+from dualflow.convert import init_aux_from_primary
 from modeling_dualflow import DualFlowCache, DualFlowForCausalLM
 
 
@@ -141,7 +142,7 @@ def test_gradient_checkpointing_gives_same_gradients():
 
 def test_upcycling_init_zeroes_the_deltas():
     model = adapter_model(variant="moe")
-    model.init_aux_from_primary()
+    init_aux_from_primary(model)
     out = model(torch.randint(0, 97, (2, 7)))
     torch.testing.assert_close(out.logits, out.primary_logits, atol=1e-5, rtol=0)
 

@@ -19,6 +19,8 @@ from helpers import (
 from reference import two_pass_forward
 from transformers import AutoConfig, DynamicCache
 
+from dualflow.aux_training import freeze_for_aux_training
+from dualflow.convert import init_aux_from_primary
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -92,7 +94,7 @@ class TestOneRoundIsToday:
     def test_zero_gates_make_extra_rounds_the_identity(self):
         # the upcycling guarantee: a converted model (gates 0) predicts as its source for any R
         model = rounds_model(3)
-        model.init_aux_from_primary()
+        init_aux_from_primary(model)
         input_ids = torch.randint(0, 97, (2, 7))
         out = model(input_ids)
         torch.testing.assert_close(out.logits, out.primary_logits, atol=1e-5, rtol=0)
@@ -164,7 +166,7 @@ def test_gradient_checkpointing_gives_same_gradients(use_reentrant):
 
 
 def test_freeze_for_aux_training_trains_the_gates():
-    model = rounds_model(2).freeze_for_aux_training()
+    model = freeze_for_aux_training(rounds_model(2))
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(model.aux_parameter_names())
     assert {f"model.layers.{i}.aux_round_gate.weight" for i in range(2)} <= trainable

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from dualflow.convert import init_aux_from_primary
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM
 from modeling_dualflow.modeling_dualflow import CACHE_FIELD
 
@@ -61,7 +62,7 @@ def oracle_and_dualflow(aux_differs: bool, **dual_overrides):
     dual = DualFlowForCausalLM(DualFlowConfig(**SHARED, qk_norm="per_head", **dual_overrides)).eval()
     missing, unexpected = dual.load_state_dict(oracle.state_dict(), strict=False)
     assert not unexpected and all("aux_" in name for name in missing)
-    dual.init_aux_from_primary()
+    init_aux_from_primary(dual)
     if aux_differs:
         with torch.no_grad():
             for layer in dual.model.layers:

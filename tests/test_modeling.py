@@ -28,6 +28,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.testing_utils import CaptureLogger
 
 import modeling_dualflow
+from dualflow.aux_training import freeze_aux_flow, freeze_for_aux_training
+from dualflow.convert import init_aux_from_primary
 from dualflow.instruments.upcycle import qwen3_moe_config_of
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM, configuration_dualflow
 from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowExperts, route_two_top_k
@@ -587,7 +589,7 @@ class TestInitAndResize:
     @pytest.mark.parametrize("variant", ["moe", "dense", "olmoe_full_qk_norm_clip"])
     def test_upcycling_init_reproduces_primary(self, variant):
         model = tiny_model(**VARIANTS[variant])
-        model.init_aux_from_primary()
+        init_aux_from_primary(model)
         input_ids = torch.randint(0, 97, (2, 7))
         out = model(input_ids)
         torch.testing.assert_close(out.logits, out.primary_logits, atol=1e-5, rtol=0)
@@ -611,7 +613,7 @@ class TestInitAndResize:
 
     def test_freeze_for_aux_training(self):
         model = tiny_model()
-        model.freeze_for_aux_training()
+        freeze_for_aux_training(model)
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         assert trainable == {"model.aux_embed_tokens.weight"} | {
             f"model.layers.{i}.aux_coupling.weight" for i in range(2)
@@ -619,8 +621,8 @@ class TestInitAndResize:
 
     def test_freeze_aux_flow_is_the_inverse_of_freeze_for_aux_training(self):
         model = tiny_model(aux_adapter_rank=2, aux_num_rounds=2)
-        aux = {name for name, p in model.freeze_for_aux_training().named_parameters() if p.requires_grad}
-        shared = {name for name, p in model.freeze_aux_flow().named_parameters() if p.requires_grad}
+        aux = {name for name, p in freeze_for_aux_training(model).named_parameters() if p.requires_grad}
+        shared = {name for name, p in freeze_aux_flow(model).named_parameters() if p.requires_grad}
         assert aux == set(model.aux_parameter_names()) and "model.layers.1.aux_round_gate.weight" in aux
         assert shared == {name for name, _ in model.named_parameters()} - aux and "lm_head.weight" in shared
 

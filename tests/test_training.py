@@ -26,6 +26,7 @@ from helpers import (
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
+from dualflow.aux_training import freeze_for_aux_training
 from dualflow.finetune import complete_checkpoints, finetune, make_trainer, read_texts, split_blocks
 from dualflow.output_folder import UNFINISHED_MARKER
 
@@ -130,7 +131,7 @@ def test_aux_only_trains_only_aux_params_and_keeps_primary_logits(tmp_path):
     with torch.no_grad():
         primary_before = model(probe).primary_logits
 
-    model.freeze_for_aux_training()
+    freeze_for_aux_training(model)
     make_trainer(model, blocks, None, tmp_path, max_steps=5, learning_rate=1e-2, disable_tqdm=True).train()
 
     aux_names = set(model.aux_parameter_names())

@@ -26,6 +26,7 @@ from transformers.utils.logging import disable_progress_bar
 
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 
+from ..aux_training import freeze_aux_flow, freeze_for_aux_training
 from ..convert import convert_checkpoint
 from ..errors import DualFlowUserError
 from ..lora import add_lora
@@ -167,11 +168,9 @@ def adapter_budget_lora_rank(folder: Path) -> int:
     """The LoRA rank on the single-flow model of `folder` whose trainable parameters come closest to the aux-adapter
     recipe's (aux embedding, couplings and rank-`ADAPTER_RANK` adapters); LoRA's count is linear in the rank."""
     config = DualFlowConfig.from_pretrained(folder)
-    budget = (
+    budget = freeze_for_aux_training(
         DualFlowForCausalLM(DualFlowConfig.from_pretrained(folder, aux_adapter_rank=ADAPTER_RANK))
-        .freeze_for_aux_training()
-        .num_parameters(only_trainable=True)
-    )
+    ).num_parameters(only_trainable=True)
     per_rank = add_lora(DualFlowForCausalLM(config), r=1, train_aux_modules=False).num_parameters(only_trainable=True)
     return max(1, round(budget / per_rank))
 
@@ -265,9 +264,9 @@ def trainable_model(recipe: Recipe, folder: Path):
         rank = recipe.lora_rank or adapter_budget_lora_rank(folder)
         return add_lora(model, r=rank, lora_alpha=2 * rank, train_aux_modules=recipe.aux_factor is not None)
     if recipe.aux_factor is None:  # single flow: the aux parameters exist but take no part
-        model.freeze_aux_flow()
+        freeze_aux_flow(model)
     elif recipe.train == "aux":
-        model.freeze_for_aux_training()
+        freeze_for_aux_training(model)
     return model
 
 
