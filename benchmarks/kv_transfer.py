@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from vllm_throughput import PRESETS, TOP_K, summarize
+from vllm_throughput import PRESETS, TOP_K, decode_only_seconds, model_fields, run_vllm, summarize
 
 from dualflow.convert import convert_checkpoint
 from dualflow.instruments.probes import rotated, seconds
@@ -50,17 +50,7 @@ def save_checkpoints(folder: Path) -> tuple[Path, Path, Qwen3MoeConfig]:
     preset = PRESETS["cpu"]
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        vocab_size=preset["vocab"],
-        hidden_size=preset["hidden"],
-        intermediate_size=preset["expert_size"],
-        moe_intermediate_size=preset["expert_size"],
-        num_hidden_layers=preset["layers"],
-        num_attention_heads=preset["heads"],
-        num_key_value_heads=preset["kv_heads"],
-        head_dim=preset["hidden"] // preset["heads"],
-        num_experts=preset["experts"],
-        num_experts_per_tok=TOP_K,
-        max_position_embeddings=4096,
+        **model_fields(preset), head_dim=preset["hidden"] // preset["heads"], max_position_embeddings=4096
     )
     Qwen3MoeForCausalLM(config).save_pretrained(folder / "source")
     convert_checkpoint(folder / "source", folder / "converted", aux_top_k=2 * TOP_K, show_progress=False)
@@ -85,7 +75,7 @@ def stored_bytes_per_token(storage: Path) -> float:
 def main():
     args = parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     with tempfile.TemporaryDirectory(prefix="dualflow-kv-bench-") as tmp:
         folder = Path(tmp)
@@ -118,18 +108,10 @@ def main():
         producers, decoders = ["base producer", "Dual-Flow producer"], ["Dual-Flow alone", "Dual-Flow consumer"]
         generator = torch.Generator().manual_seed(1)
 
-        def run(engine, batch, max_tokens):
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            return engine.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-
-        def decode_seconds(outputs):
-            first = max(output.metrics.first_token_ts for output in outputs)
-            return max(output.metrics.last_token_ts for output in outputs) - first
-
         warm_up = torch.randint(0, config.vocab_size, (1, 64), generator=generator).tolist()
         for name in producers + ["Dual-Flow alone"]:
-            run(engines[name], warm_up, 4)
-        run(engines["Dual-Flow consumer"], warm_up, 4)  # loads what the base producer stored for it
+            run_vllm(engines[name], warm_up, 4)
+        run_vllm(engines["Dual-Flow consumer"], warm_up, 4)  # loads what the base producer stored for it
 
         prefill = {size: {name: [] for name in producers} for size in args.batches}
         decode = {size: {name: [] for name in decoders} for size in args.batches}
@@ -138,11 +120,11 @@ def main():
             for size in args.batches:
                 batch = torch.randint(0, config.vocab_size, (size, args.prompt), generator=generator).tolist()
                 for name in rotated(producers, round_index):
-                    prefill[size][name].append(size * args.prompt / seconds(run, engines[name], batch, 1))
+                    prefill[size][name].append(size * args.prompt / seconds(run_vllm, engines[name], batch, 1))
                 tokens = {}
                 for name in rotated(decoders, round_index):
-                    outputs = run(engines[name], batch, args.decode_tokens)
-                    decode[size][name].append(size * (args.decode_tokens - 1) / decode_seconds(outputs))
+                    outputs = run_vllm(engines[name], batch, args.decode_tokens)
+                    decode[size][name].append(size * (args.decode_tokens - 1) / decode_only_seconds(outputs))
                     tokens[name] = [list(output.outputs[0].token_ids) for output in outputs]
                 same_tokens &= tokens["Dual-Flow consumer"] == tokens["Dual-Flow alone"]
             print(f"round {round_index + 1}/{args.rounds} done", flush=True)

