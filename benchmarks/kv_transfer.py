@@ -1,6 +1,6 @@
 """Prefill on the base model, decode with Dual-Flow, through vLLM's ExampleConnector (issue 39).
 
-    .venv-vllm/bin/python benchmarks/kv_transfer.py [--rounds 5 --batches 1 8 --prompt 256 --decode-tokens 64]
+    .venv-vllm/bin/python benchmarks/kv_transfer.py [--rounds 5 --batches 1 8 --prompt 257 --decode-tokens 64]
 
 A random Qwen3-MoE (the CPU preset of vllm_throughput.py: hidden 512, 4 layers, 8 experts, k_p = 2), converted to
 Dual-Flow with k_a = 2 k_p and its couplings perturbed, served by four engines at once (each in its engine process):
@@ -35,7 +35,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens (the consumer loads the whole blocks)")
+    # the ExampleConnector moves the whole blocks of all but the last prompt token: 257 moves two 128-token blocks
+    parser.add_argument("--prompt", type=int, default=257, help="prompt tokens (the consumer loads the whole blocks)")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile in vLLM")
     args = parser.parse_args()
@@ -61,15 +62,15 @@ def save_checkpoints(folder: Path) -> tuple[Path, Path, Qwen3MoeConfig]:
     return folder / "source", folder / "dualflow", config
 
 
-def stored_bytes_per_token(storage: Path) -> float:
-    """The connector's K/V tensor bytes per stored prompt token (whole blocks), over every prompt it stored."""
+def stored_kv(storage: Path) -> tuple[float, float]:
+    """The connector's K/V tensor bytes per stored prompt token, and the tokens it stored per prompt (whole blocks)."""
     total_bytes, total_tokens = 0, 0
-    for prompt_folder in (path for path in storage.iterdir() if path.is_dir()):
-        for path in prompt_folder.glob("*.safetensors"):
-            kv = load_file(path)["kv_cache"]
-            total_bytes += kv.numel() * kv.element_size()
-        total_tokens += len(kv)
-    return total_bytes / total_tokens
+    for path in storage.glob("*/*.safetensors"):
+        kv = load_file(path)["kv_cache"]
+        total_bytes += kv.numel() * kv.element_size()
+        total_tokens += len(kv) if path.name.startswith("model.layers.0.") else 0
+    prompts = len(list(storage.glob("*/model.layers.0.*")))
+    return (total_bytes / total_tokens if total_tokens else float("nan")), total_tokens / prompts
 
 
 def main():
@@ -128,12 +129,10 @@ def main():
                     tokens[name] = [list(output.outputs[0].token_ids) for output in outputs]
                 same_tokens &= tokens["Dual-Flow consumer"] == tokens["Dual-Flow alone"]
             print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+        block_size = engines["Dual-Flow consumer"].llm_engine.vllm_config.cache_config.block_size
         for engine in engines.values():
             engine.llm_engine.engine_core.shutdown()
-
-        kv_bytes = {
-            name: stored_bytes_per_token(folder / f"kv-{key}") for name, key in (("base", "base"), ("Dual-Flow", "df"))
-        }
+        kv = {name: stored_kv(folder / f"kv-{key}") for name, key in (("base", "base"), ("Dual-Flow", "df"))}
         base_kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # float32
 
     print(
@@ -147,10 +146,9 @@ def main():
         print("\n".join(summarize(f"prefill, batch {size}", prefill[size], "base producer", producers)))
         print("\n".join(summarize(f"decode, batch {size}", decode[size], "Dual-Flow alone", decoders)))
     print(f"\nconsumer's greedy tokens equal the Dual-Flow engine's alone in every round: {same_tokens}")
-    print(
-        f"KV bytes per prompt token stored: base {kv_bytes['base']:,.0f}, Dual-Flow {kv_bytes['Dual-Flow']:,.0f}; ",
-        end="",
-    )
+    # the ExampleConnector moves whole blocks of the prompt but its last token; the consumer computes the rest
+    print(f"KV blocks of {block_size} tokens; tokens stored per prompt: {kv['base'][1]:.0f} of {args.prompt}")
+    print(f"KV bytes per prompt token stored: base {kv['base'][0]:,.0f}, Dual-Flow {kv['Dual-Flow'][0]:,.0f}; ", end="")
     print(f"the base model's K/V per token: {base_kv:,}")
 
 
