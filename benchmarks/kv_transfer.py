@@ -69,7 +69,8 @@ def stored_kv(storage: Path) -> tuple[float, float]:
         kv = load_file(path)["kv_cache"]
         total_bytes += kv.numel() * kv.element_size()
         total_tokens += len(kv) if path.name.startswith("model.layers.0.") else 0
-    prompts = len(list(storage.glob("*/model.layers.0.*")))
+    # a prompt shorter than a block and a token (the warm-up's) stores an empty file
+    prompts = sum(len(load_file(path)["kv_cache"]) > 0 for path in storage.glob("*/model.layers.0.*"))
     return (total_bytes / total_tokens if total_tokens else float("nan")), total_tokens / prompts
 
 
