@@ -105,6 +105,7 @@ PRIVATE_TRANSFORMERS_NAMES = {
     "_init_weights": "PreTrainedModel's weight-init hook every model overrides",
     "_prepare_cache_for_generation": "the hook in-tree models override to choose their cache (t5gemma)",
     "_grouped_mm_can_dispatch": "refuses an experts kernel on a dense model (tests/test_model_api.py)",
+    "_get_resized_embeddings": "resizes an extra embedding table by transformers' rule (gemma3n, gemma4)",
 }
 # Other models' helpers the remote code imports (their classes are reused as-is; the helpers are still to write out).
 OTHER_MODELS_HELPERS = {
