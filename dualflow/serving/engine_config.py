@@ -3,7 +3,7 @@
 from transformers import PreTrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
-from .kv_transfer import use_connector_without_kv_sharing_layers
+from .kv_transfer import use_connector_without_kv_sharing_layers, uses_kv_connector
 from .vllm_internals import check_vllm_version
 
 
@@ -100,7 +100,7 @@ def check_supported(config, vllm_config) -> None:
         )
     # vLLM's KV connectors save and load KV for every attention layer, the aux ones included, which own none: the
     # tested ones run as subclasses that skip them (kv_transfer.py), the others are refused.
-    if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector is not None:
+    if uses_kv_connector(vllm_config):
         use_connector_without_kv_sharing_layers(vllm_config.kv_transfer_config)
     if vllm_config.lora_config is not None:
         raise ValueError("Dual-Flow in vLLM does not serve LoRA adapters: start without enable_lora")

@@ -78,6 +78,8 @@ class RefuseOtherModelsFiles:
         super().start_load_kv(forward_context, **kwargs)
 
     def _kv_file_problem(self, request, layers) -> str | None:
+        # what the connector writes into a layer's pages for these tokens: [tokens, ...] in the pages' own layout
+        slots = torch.zeros(len(request.slot_mapping), dtype=torch.long, device="meta")
         for name, layer in layers.items():
             pages = getattr(layer, "kv_cache", None)
             if pages is None:
@@ -88,8 +90,6 @@ class RefuseOtherModelsFiles:
                     shape = tuple(file.get_slice("kv_cache").get_shape())
             except FileNotFoundError:
                 return f"the producer wrote no KV for layer {name} (a model with fewer layers)"
-            # what the connector writes into the pages for these tokens: [tokens, ...] in the pages' own layout
-            slots = torch.zeros(len(request.slot_mapping), dtype=torch.long, device="meta")
             expected = tuple(torch.empty(pages.shape, device="meta")[slots, :, slots].shape)
             if shape != expected:
                 return (
@@ -123,6 +123,11 @@ def __getattr__(name: str):
     if name.startswith(PREFIX) and name[len(PREFIX) :] in TESTED_CONNECTORS:
         return connector_class(name[len(PREFIX) :])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def uses_kv_connector(vllm_config) -> bool:
+    """Whether the engine is configured with a KV connector (disaggregated prefill, KV offloading)."""
+    return vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector is not None
 
 
 def use_connector_without_kv_sharing_layers(kv_transfer_config) -> None:

@@ -53,6 +53,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.sequence import IntermediateTensors
 
 from . import vllm_internals
+from .kv_transfer import uses_kv_connector
 
 
 class DualFlowMLP(nn.Module):
@@ -642,8 +643,7 @@ class DualFlowForCausalLM(nn.Module):
             )
             # With a KV connector every step takes the two-call path: vLLM's connector hooks wrap each layer's own
             # attention call, and the every-row piece writes the primary K/V without one.
-            kv_connector = vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector
-            if not kv_connector and self.model.layers[0].self_attn.can_attend_both_flows_at_once():
+            if not uses_kv_connector(vllm_config) and self.model.layers[0].self_attn.can_attend_both_flows_at_once():
                 with vllm_internals.compiled_model_tag("dualflow_every_row_sampled"):
                     self.every_row_model = DualFlowEveryRowModel(
                         vllm_config=vllm_config, prefix=maybe_prefix(prefix, "every_row_model"), model=self.model
