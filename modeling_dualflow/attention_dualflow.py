@@ -180,8 +180,8 @@ class DualFlowAttention(nn.Module):
         """
         hidden_states: (batch, T + P, hidden), already normed. Given `primary_key_values` (an extra aux round), the rows
         are aux rows only (num_primary = 0) and attend to those keys/values: nothing is projected or cached. Returns the
-        output, the (primary, aux) attention weights (each None unless `output_attentions` and the backend gives them)
-        and the keys/values attended to.
+        output, the (primary, aux) attention weights (None unless `output_attentions` and the backend gives them) and
+        the keys/values attended to.
         """
         cos, sin = position_embeddings
         query_states = self._project(hidden_states, self.q_proj, self.q_norm, num_primary, self.aux_q_adapter)
@@ -229,7 +229,8 @@ class DualFlowAttention(nn.Module):
             attn_weights = (primary_weights, aux_weights)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
         attn_output = add_to_aux_rows(self.o_proj(attn_output), attn_output, self.aux_o_adapter, num_primary)
-        return attn_output, attn_weights, (key_states, value_states)
+        # the model's output recorder takes the (primary, aux) weights where the backend gave any
+        return attn_output, None if attn_weights == (None, None) else attn_weights, (key_states, value_states)
 
     def _attend_as_query_heads(self, attend, query_states, num_primary, flow_masks):
         """Aux rows at the primary positions: one call in which each key/value head gets its aux heads after its

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
-from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
@@ -20,6 +19,7 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
@@ -59,46 +59,14 @@ class DualFlowRotaryEmbedding(LlamaRotaryEmbedding):
     pass
 
 
-class DualFlowMLP(Qwen2MoeMLP):
-    """
-    Gated MLP: the dense layers' MLP and the Qwen2-MoE shared expert (transformers' Qwen2-MoE MLP). It takes the MoE
-    block's arguments too (and needs neither), so a decoder layer calls its MLP one way whatever the layer holds.
-    """
-
-    def forward(self, hidden_states: torch.Tensor, num_primary: int | None = None, aux_top_k: int | None = None):
-        return super().forward(hidden_states)
-
-
 @use_experts_implementation
-class DualFlowExperts(nn.Module):
+class DualFlowExperts(Qwen3MoeExperts):
     """
-    Routed experts stored fused, in transformers' layout: `gate_up_proj` (experts, 2 * intermediate, hidden), gate rows
-    first, and `down_proj` (experts, hidden, intermediate). The decorator gives them transformers' experts kernels
-    (grouped_mm by default, batched_mm, eager: the loop below) and PEFT's target_parameters apply to both tensors.
+    Routed experts: transformers' Qwen3-MoE experts (fused `gate_up_proj` (experts, 2 * intermediate, hidden), gate
+    rows first; `down_proj` (experts, hidden, intermediate)). Decorated here as well because transformers offers its
+    experts kernels (grouped_mm, batched_mm) to a model whose own file applies the decorator; the kernel is picked once,
+    by the outer wrapper.
     """
-
-    def __init__(self, config: DualFlowConfig):
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.hidden_dim = config.hidden_size
-        self.intermediate_dim = config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_dim, self.hidden_dim))
-        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_dim, self.intermediate_dim))
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        output = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            # One class more: under expert parallelism transformers gives the other ranks' experts the index
-            # num_experts, which this rank skips.
-            expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            experts_hit = torch.greater(expert_mask[: self.num_experts].sum(dim=(-1, -2)), 0).nonzero()
-        for expert_idx in experts_hit[:, 0]:
-            slot, token_idx = torch.where(expert_mask[expert_idx])
-            gate, up = F.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-            expert_output = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
-            output.index_add_(0, token_idx, (expert_output * top_k_weights[token_idx, slot, None]).to(output.dtype))
-        return output
 
 
 def route_two_top_k(
@@ -152,7 +120,7 @@ class DualFlowSparseMoeBlock(nn.Module):
         self.gate = DualFlowRouter(config)
         self.experts = DualFlowExperts(config)
         if config.shared_expert_intermediate_size > 0:
-            self.shared_expert = DualFlowMLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert = Qwen2MoeMLP(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -231,10 +199,11 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DualFlowConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DualFlowAttention(config, layer_idx)
-        if config.is_moe_layer(layer_idx):
-            self.mlp = DualFlowSparseMoeBlock(config)
-        else:
-            self.mlp = DualFlowMLP(config, config.intermediate_size)
+        # a routed MLP gives each flow its own top-k, so it takes the row layout; a dense one sees rows only
+        self.routes_flows = config.is_moe_layer(layer_idx)
+        self.mlp = (
+            DualFlowSparseMoeBlock(config) if self.routes_flows else Qwen2MoeMLP(config, config.intermediate_size)
+        )
         self.input_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.aux_coupling = DualFlowGain(config.hidden_size)
@@ -277,7 +246,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
             hidden_states = hidden_states.index_add(1, aux_rows, self.aux_coupling(coupling_source))
 
         residual = hidden_states
-        hidden_states, attn_weights, (keys, values) = self.self_attn(
+        hidden_states, _, (keys, values) = self.self_attn(
             self.input_layernorm(hidden_states),
             num_primary,
             position_embeddings,
@@ -291,11 +260,11 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
 
         residual = hidden_states
         mlp_input = self.post_attention_layernorm(hidden_states)
-        hidden_states = self.mlp(mlp_input, num_primary, aux_top_k)
+        hidden_states = self.mlp(mlp_input, num_primary, aux_top_k) if self.routes_flows else self.mlp(mlp_input)
         hidden_states = residual + add_to_aux_rows(hidden_states, mlp_input, self.aux_mlp_adapter, num_primary)
         if extra_round:
             hidden_states = layer_input + self.aux_round_gate(hidden_states - layer_input)
-        return hidden_states, keys, values, *attn_weights
+        return hidden_states, keys, values
 
 
 class DualFlowPreTrainedModel(PreTrainedModel):
@@ -315,20 +284,13 @@ class DualFlowPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
     # Both flows, both expert fan-outs and a static cache trace into one graph.
     _can_compile_fullgraph = True
-    # transformers' recorder takes the router logits over the stacked rows (`DualFlowModel.forward` splits them per
-    # flow); hidden states and attentions, each flow's apart, are recorded by the model's own layer loop.
-    _can_record_outputs = {"router_logits": OutputRecorder(DualFlowRouter, index=0)}
-
-    def _grouped_mm_can_dispatch(self) -> bool:
-        # The default experts kernel: a dense config has no experts to run with it (transformers then keeps "eager").
-        if not self.config.num_experts:
-            raise ValueError(f"{type(self).__name__} is dense (num_experts=0): it has no experts kernel to set")
-        return super()._grouped_mm_can_dispatch()
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        # PEFT reads this name on every load; transformers 5.23 made it a deprecated alias that warns.
-        return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
+    # transformers' recorders take the router logits over the stacked rows and each attention call's (primary, aux)
+    # weights; `DualFlowModel.forward` splits them per flow. Hidden states are recorded by the layer loop: each flow's
+    # rows must be tensors of the graph (`record_flows`), which rows cut from a hooked layer output are not.
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(DualFlowRouter, index=0),
+        "attentions": OutputRecorder(DualFlowAttention, index=1),
+    }
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -492,12 +454,16 @@ class DualFlowModel(DualFlowPreTrainedModel):
             return_dict=True,
             **kwargs,
         )
+        # The flows recorded per call are split here. Attentions come as (primary, aux) weights per attention call;
+        # router logits per router call over the stacked rows `(batch * (T + P), num_experts)`. The first round's calls
+        # are the model's (extra aux rounds add more).
+        attentions = aux_attentions = None
+        if outputs.attentions is not None:
+            attentions, aux_attentions = flows_of(outputs.attentions[: self.config.num_hidden_layers])
         router_logits = aux_router_logits = None  # None in a dense model, as transformers' MoE models give them
         if outputs.router_logits and aux_positions is None:
             router_logits = outputs.router_logits
         elif outputs.router_logits:
-            # Recorded per router call over the stacked rows `(batch * (T + P), num_experts)`: the first round's calls
-            # are the model's (extra aux rounds add more), each split into its two flows' rows.
             batch_size, num_primary = outputs.last_hidden_state.shape[:2]
             num_aux = outputs.aux_last_hidden_state.shape[1]
             num_routed = sum(isinstance(layer.mlp, DualFlowSparseMoeBlock) for layer in self.layers)
@@ -506,8 +472,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 flows = logits.view(batch_size, -1, logits.shape[-1]).split([num_primary, num_aux], dim=1)
                 per_flow.append([rows.reshape(-1, logits.shape[-1]) for rows in flows])
             router_logits, aux_router_logits = flows_of(per_flow)
+        flows = dict(attentions=attentions, router_logits=router_logits, aux_router_logits=aux_router_logits)
         return DualFlowModelOutputWithPast(
-            **{**outputs, "router_logits": router_logits, "aux_router_logits": aux_router_logits}
+            **{**outputs, **flows, "aux_attentions": None if aux_positions is None else aux_attentions}
         )
 
     @merge_with_config_defaults
@@ -559,7 +526,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         )
         selected, input_state_returned = hidden_states_to_return(output_hidden_states, len(self.layers))
         keep_states = aux_positions is not None and num_rounds > 1  # what the extra aux rounds read
-        hidden_states, all_hidden_states, all_attentions, layer_states = self._first_round(
+        hidden_states, all_hidden_states, layer_states = self._first_round(
             hidden_states, num_primary, position_embeddings, selected, output_attentions, keep_states, layer_kwargs
         )
         if keep_states:
@@ -576,43 +543,37 @@ class DualFlowModel(DualFlowPreTrainedModel):
         hidden_states, aux_hidden_states = returned_hidden_states(
             all_hidden_states, (last_hidden_state, aux_last_hidden_state), selected, input_state_returned
         )
-        attentions, aux_attentions = flows_of(all_attentions) if output_attentions else (None, None)
-        aux_off = aux_positions is None
         return DualFlowModelOutputWithPast(
             last_hidden_state=last_hidden_state,
             **{CACHE_FIELD: cache},
             hidden_states=hidden_states,
-            attentions=attentions,
             aux_last_hidden_state=aux_last_hidden_state,
-            aux_hidden_states=None if aux_off else aux_hidden_states,
-            aux_attentions=None if aux_off else aux_attentions,
+            aux_hidden_states=None if aux_positions is None else aux_hidden_states,
         )
 
     def _first_round(
         self, hidden_states, num_primary, position_embeddings, selected, output_attentions, keep_states, layer_kwargs
     ):
         """
-        Both flows through every layer: the last output, the (primary, aux) states entering the layers in `selected`,
-        each layer's (primary, aux) attention weights and, with `keep_states`, what the extra aux rounds read.
+        Both flows through every layer: the last output, the (primary, aux) states entering the layers in `selected`
+        and, with `keep_states`, what the extra aux rounds read.
         """
-        all_hidden_states, all_attentions, layer_states = [], [], []
+        all_hidden_states, layer_states = [], []
         aux_positions = layer_kwargs["aux_positions"]
         for index, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
             if selected is not None:
                 hidden_states = record_flows(hidden_states, num_primary, all_hidden_states, index in selected)
             entering = hidden_states[:, aux_positions] if keep_states else None
-            hidden_states, keys, values, *attn_weights = decoder_layer(
+            hidden_states, keys, values = decoder_layer(
                 hidden_states,
                 num_primary=num_primary,
                 position_embeddings=position_embeddings,
                 output_attentions=output_attentions,
                 **layer_kwargs,
             )
-            if output_attentions and attn_weights[0] is not None:
-                all_attentions.append(attn_weights)
             if keep_states:
                 layer_states.append((entering, keys, values))
-        return hidden_states, all_hidden_states, all_attentions, layer_states
+        return hidden_states, all_hidden_states, layer_states
 
     def _extra_aux_rounds(self, hidden_states, num_primary, position_embeddings, layer_states, rounds, layer_kwargs):
         """The aux rows alone through the layers `rounds` times more, attending to the first round's keys/values."""

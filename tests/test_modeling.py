@@ -7,14 +7,12 @@ import re
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import VARIANTS, enable_activation_checkpointing, left_padded_batch, tiny_config, tiny_model, valid_rows
-from peft import LoraConfig, get_peft_model
 from reference import two_pass_forward
 from transformers import (
     AutoConfig,
@@ -104,21 +102,19 @@ class TestConfig:
             regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
             assert any(regex.fullmatch(name) for name in names), pattern
 
-    def test_dense_model_declares_no_router_or_experts_kernel(self):
+    def test_dense_model_declares_no_router_logits(self):
         dense, moe = tiny_model(num_experts=0), tiny_model()
         out = dense(torch.tensor([[1, 2, 3]]), output_router_logits=True)
         assert out.router_logits is None and out.aux_router_logits is None and out.aux_loss is None
-        assert dense.config._experts_implementation == "eager"
         # the MoE model keeps transformers' default kernel (found through the decorator in modeling_dualflow.py)
         assert moe.config._experts_implementation == "grouped_mm"
         assert moe.model.layers[0].mlp.experts.config._experts_implementation == "grouped_mm"
 
-    def test_experts_class_is_decorated_once_and_computes_as_transformers_experts(self):
+    def test_experts_are_transformers_qwen3_moe_experts_declared_in_the_model_file(self):
         """
-        `@use_experts_implementation` decorates DualFlowExperts, a module of its own (no already-decorated base, whose
-        forward would be wrapped twice), and the model file names it nowhere else: transformers finds the default
-        kernel by searching that source, so the test above would fail without the decorator. The eager loop computes
-        exactly what transformers' Qwen3-MoE experts compute.
+        DualFlowExperts is transformers' Qwen3-MoE experts class; the model file applies `@use_experts_implementation`
+        to it once more, because transformers offers its kernels to a model whose file uses the decorator (the test
+        above would see "eager" without it). Every kernel computes what Qwen3-MoE's experts compute under that kernel.
         """
         tree = ast.parse(Path(modeling_dualflow.modeling_dualflow.__file__).read_text())
         decorated = [
@@ -127,24 +123,17 @@ class TestConfig:
             if isinstance(node, ast.ClassDef)
             and any(getattr(d, "id", None) == "use_experts_implementation" for d in node.decorator_list)
         ]
-        assert decorated == ["DualFlowExperts"] and DualFlowExperts.__bases__ == (torch.nn.Module,)
-        assert Path(modeling_dualflow.modeling_dualflow.__file__).read_text().count("use_experts_implementation") == 2
+        assert decorated == ["DualFlowExperts"] and DualFlowExperts.__bases__ == (Qwen3MoeExperts,)
         config = tiny_config()
-        config._experts_implementation = "eager"
-        ours, theirs = DualFlowExperts(config), Qwen3MoeExperts(config)
-        torch.nn.init.normal_(ours.gate_up_proj)
-        torch.nn.init.normal_(ours.down_proj)
-        theirs.load_state_dict(ours.state_dict())
         rows, indices = torch.randn(6, config.hidden_size), torch.randint(0, config.num_experts, (6, 2))
         weights = torch.rand(6, 2)
-        assert torch.equal(ours(rows, indices, weights), theirs(rows, indices, weights))
-
-    def test_peft_reads_gradient_checkpointing_without_a_deprecation_warning(self):
-        # the `is_gradient_checkpointing` override: PEFT reads that name on every wrap and load, and transformers
-        # 5.23 on made it a deprecated alias that warns
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", FutureWarning)
-            get_peft_model(tiny_model(), LoraConfig(target_modules=["q_proj"]))
+        for implementation in ("eager", "batched_mm", "grouped_mm"):
+            config._experts_implementation = implementation
+            ours, theirs = DualFlowExperts(config), Qwen3MoeExperts(config)
+            torch.nn.init.normal_(ours.gate_up_proj)
+            torch.nn.init.normal_(ours.down_proj)
+            theirs.load_state_dict(ours.state_dict())
+            assert torch.equal(ours(rows, indices, weights), theirs(rows, indices, weights)), implementation
 
     def test_aux_embed_init_copies_the_primary_embedding_of_a_new_model_only(self, tmp_path):
         independent = DualFlowForCausalLM(tiny_config(aux_embed_init="independent"))

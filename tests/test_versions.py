@@ -104,7 +104,6 @@ PRIVATE_TRANSFORMERS_NAMES = {
     "_attn_implementation": "config field every in-tree attention reads to pick its backend",
     "_init_weights": "PreTrainedModel's weight-init hook every model overrides",
     "_prepare_cache_for_generation": "the hook in-tree models override to choose their cache (t5gemma)",
-    "_grouped_mm_can_dispatch": "refuses an experts kernel on a dense model (tests/test_model_api.py)",
     "_get_resized_embeddings": "resizes an extra embedding table by transformers' rule (gemma3n, gemma4)",
 }
 # Other models' helpers the remote code imports (their classes are reused as-is; the helpers are still to write out).
@@ -115,6 +114,7 @@ OTHER_MODELS_HELPERS = {
     "rotate_half",
     "load_balancing_loss_func",
     "Qwen2MoeMLP",
+    "Qwen3MoeExperts",
 }
 
 
