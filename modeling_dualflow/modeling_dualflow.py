@@ -15,11 +15,14 @@ from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeModelOutputWithPast
-from transformers.modeling_utils import PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeExperts,
+    Qwen3MoePreTrainedModel,
+    Qwen3MoeTopKRouter,
+)
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
 from transformers.utils.generic import merge_with_config_defaults
@@ -97,20 +100,13 @@ def route_two_top_k(
     return weights, indices
 
 
-class DualFlowRouter(nn.Module):
-    """Router shared by both flows: `forward` scores every expert, `route_two_top_k` gives each flow its own top-k."""
-
-    def __init__(self, config: DualFlowConfig):
-        super().__init__()
-        self.num_experts = config.num_experts
-        self.norm_topk_prob = config.norm_topk_prob
-        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+class DualFlowRouter(Qwen3MoeTopKRouter):
+    """Qwen3-MoE's router, shared by both flows: it scores every expert, `route_two_top_k` gives each flow its top-k."""
 
     def forward(self, hidden_states):
         """Router logits and probabilities over all experts, `(rows, num_experts)` each."""
         router_logits = F.linear(hidden_states, self.weight)
-        router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
-        return router_logits, router_probs
+        return router_logits, F.softmax(router_logits, dtype=torch.float, dim=-1)
 
 
 class DualFlowSparseMoeBlock(nn.Module):
@@ -219,31 +215,31 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        primary_entering: torch.Tensor | None = None,
+        coupled_state: torch.Tensor | None = None,
         primary_keys: torch.Tensor | None = None,
         primary_values: torch.Tensor | None = None,
         *,
         num_primary: int,
-        aux_positions: torch.Tensor | None,
         masks: DualFlowMasks,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None = None,
         aux_top_k: int | None = None,
         output_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """
-        First round: hidden_states = (batch, T + P, hidden) = [primary rows; aux rows]. An extra aux round passes the P
-        aux rows alone, with `primary_entering` (the primary state that entered this layer at the aux positions) and
-        this layer's primary keys/values from the first round (positional, so reentrant checkpointing sees them).
-        Returns the layer output, the primary keys/values its attention used and the (primary, aux) attention weights.
+        hidden_states: (batch, T + P, hidden), the T primary rows then the P aux rows; T = 0 in an extra aux round.
+        coupled_state: (batch, P, hidden), the primary state that entered this layer at the aux positions, which the
+            aux rows add through `aux_coupling`; None without aux rows.
+        primary_keys / primary_values: in an extra aux round, this layer's keys/values of the first round, attended to
+            instead of projecting new ones (positional, so that reentrant checkpointing gives them gradients).
+        Returns the layer output and the keys/values its attention used.
         """
         extra_round = primary_keys is not None
         layer_input = hidden_states
-        if aux_positions is not None:
+        if coupled_state is not None:
             aux_rows = torch.arange(num_primary, hidden_states.shape[1], device=hidden_states.device)
-            coupling_source = primary_entering if extra_round else hidden_states[:, aux_positions]
-            hidden_states = hidden_states.index_add(1, aux_rows, self.aux_coupling(coupling_source))
+            hidden_states = hidden_states.index_add(1, aux_rows, self.aux_coupling(coupled_state))
 
         residual = hidden_states
         hidden_states, _, (keys, values) = self.self_attn(
@@ -267,7 +263,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         return hidden_states, keys, values
 
 
-class DualFlowPreTrainedModel(PreTrainedModel):
+class DualFlowPreTrainedModel(Qwen3MoePreTrainedModel):
     config: DualFlowConfig
     config_class = DualFlowConfig
     base_model_prefix = "model"
@@ -294,20 +290,14 @@ class DualFlowPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, DualFlowExperts):
-            init.normal_(module.gate_up_proj, mean=0.0, std=std)
-            init.normal_(module.down_proj, mean=0.0, std=std)
-        elif isinstance(module, DualFlowRouter):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, DualFlowGain):
+        super()._init_weights(module)  # Qwen3-MoE's, experts and router included
+        if isinstance(module, DualFlowGain):
             init.constant_(module.weight, module.init_value)
         elif module is getattr(self, "aux_embed_tokens", None) and self.config.aux_embed_init == "copy":
             # `self` is the DualFlowModel here; its primary embedding, registered first, already holds its values
             init.copy_(module.weight, self.embed_tokens.weight)
         elif isinstance(module, DualFlowAuxAdapter):
-            init.normal_(module.down, mean=0.0, std=std)
+            init.normal_(module.down, mean=0.0, std=self.config.initializer_range)
             init.zeros_(module.up)
 
 
@@ -517,21 +507,32 @@ class DualFlowModel(DualFlowPreTrainedModel):
                 input_ids, inputs_embeds, aux_inputs_embeds, aux_positions, position_ids, masks, cache, past_length
             )
         position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
-        # The extra aux rounds get the cache too, and leave it alone: they attend to the first round's keys/values.
-        layer_kwargs = dict(aux_positions=aux_positions, masks=masks, aux_top_k=aux_top_k, cache=cache, **kwargs)
-
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        # The extra aux rounds get the cache too, and leave it alone: they attend to the first round's keys/values.
+        layer_kwargs = dict(
+            masks=masks, position_embeddings=position_embeddings, aux_top_k=aux_top_k, cache=cache, **kwargs
+        )
         output_hidden_states = (
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
         )
         selected, input_state_returned = hidden_states_to_return(output_hidden_states, len(self.layers))
-        keep_states = aux_positions is not None and num_rounds > 1  # what the extra aux rounds read
-        hidden_states, all_hidden_states, layer_states = self._first_round(
-            hidden_states, num_primary, position_embeddings, selected, output_attentions, keep_states, layer_kwargs
-        )
-        if keep_states:
+        all_hidden_states, layer_states = [], []  # layer_states: what the extra aux rounds read
+        for index, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+            if selected is not None:
+                hidden_states = record_flows(hidden_states, num_primary, all_hidden_states, index in selected)
+            coupled_state = hidden_states[:, aux_positions] if aux_positions is not None else None
+            hidden_states, keys, values = decoder_layer(
+                hidden_states,
+                coupled_state,
+                num_primary=num_primary,
+                output_attentions=output_attentions,
+                **layer_kwargs,
+            )
+            if aux_positions is not None and num_rounds > 1:
+                layer_states.append((coupled_state, keys, values))
+        if layer_states:
             hidden_states = self._extra_aux_rounds(
-                hidden_states, num_primary, position_embeddings, layer_states, num_rounds - 1, layer_kwargs
+                hidden_states, num_primary, layer_states, num_rounds - 1, layer_kwargs
             )
 
         hidden_states = self.norm(hidden_states)
@@ -551,39 +552,14 @@ class DualFlowModel(DualFlowPreTrainedModel):
             aux_hidden_states=None if aux_positions is None else aux_hidden_states,
         )
 
-    def _first_round(
-        self, hidden_states, num_primary, position_embeddings, selected, output_attentions, keep_states, layer_kwargs
-    ):
-        """
-        Both flows through every layer: the last output, the (primary, aux) states entering the layers in `selected`
-        and, with `keep_states`, what the extra aux rounds read.
-        """
-        all_hidden_states, layer_states = [], []
-        aux_positions = layer_kwargs["aux_positions"]
-        for index, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
-            if selected is not None:
-                hidden_states = record_flows(hidden_states, num_primary, all_hidden_states, index in selected)
-            entering = hidden_states[:, aux_positions] if keep_states else None
-            hidden_states, keys, values = decoder_layer(
-                hidden_states,
-                num_primary=num_primary,
-                position_embeddings=position_embeddings,
-                output_attentions=output_attentions,
-                **layer_kwargs,
-            )
-            if keep_states:
-                layer_states.append((entering, keys, values))
-        return hidden_states, all_hidden_states, layer_states
-
-    def _extra_aux_rounds(self, hidden_states, num_primary, position_embeddings, layer_states, rounds, layer_kwargs):
+    def _extra_aux_rounds(self, hidden_states, num_primary, layer_states, rounds, layer_kwargs):
         """The aux rows alone through the layers `rounds` times more, attending to the first round's keys/values."""
-        cos, sin = position_embeddings
-        aux_states, aux_embeddings = hidden_states[:, num_primary:], (cos[:, num_primary:], sin[:, num_primary:])
+        cos, sin = layer_kwargs["position_embeddings"]
+        layer_kwargs = {**layer_kwargs, "position_embeddings": (cos[:, num_primary:], sin[:, num_primary:])}
+        aux_states = hidden_states[:, num_primary:]
         for _ in range(rounds):
             for decoder_layer, layer_state in zip(self.layers, layer_states):
-                aux_states = decoder_layer(
-                    aux_states, *layer_state, num_primary=0, position_embeddings=aux_embeddings, **layer_kwargs
-                )[0]
+                aux_states = decoder_layer(aux_states, *layer_state, num_primary=0, **layer_kwargs)[0]
         return torch.cat([hidden_states[:, :num_primary], aux_states], dim=1)
 
 
@@ -639,24 +615,19 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         return embeddings
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        # The hook in-tree models override to choose their cache (as t5gemma does): where transformers builds a
-        # DynamicCache (no cache given, `cache_implementation` None, "dynamic" or "offloaded"), a new DualFlowCache of
-        # the same layout takes its place. Static and quantized caches and the user's own stay as transformers has them.
-        # The user's own may come filled by another model (the base model's prefill): one of other shapes is refused.
-        given = [model_kwargs[name] for name in ("past_key_values", "cache") if model_kwargs.get(name) is not None]
-        if given and isinstance(given[0], Cache):
-            check_cache_shapes(given[0], self.config, self.tp_size)
-        builds_dynamic = (
-            generation_config.use_cache is not False
-            and generation_config.cache_implementation in (None, "dynamic", "offloaded")
-            and not given
+        # The hook in-tree models override to choose their cache (t5gemma). A cache the user gives may come filled by
+        # another model (the base model's prefill): one of other shapes is refused. Where transformers builds its
+        # DynamicCache, the model takes that cache as a DualFlowCache, with every setting transformers gave it.
+        given = next(
+            (model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None), None
         )
+        if isinstance(given, Cache):
+            check_cache_shapes(given, self.config, self.tp_size)
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        if builds_dynamic and isinstance(model_kwargs.get(CACHE_FIELD), DynamicCache):
-            offloading = generation_config.cache_implementation == "offloaded"
-            model_kwargs[CACHE_FIELD] = DualFlowCache(config=self.config, offloading=offloading)
-            if generation_config.is_assistant:  # transformers' rule: an assistant's cache records its past for crop
-                model_kwargs[CACHE_FIELD].activate_past_recording()
+        built = model_kwargs.get(CACHE_FIELD)
+        if given is None and type(built) is DynamicCache:
+            model_kwargs[CACHE_FIELD] = DualFlowCache.__new__(DualFlowCache)
+            vars(model_kwargs[CACHE_FIELD]).update(vars(built))
 
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, aux_inputs_embeds=None, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
@@ -772,15 +743,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         if not keep_all:
             # `.to`: under a device_map the last layer may sit on another device than the inputs.
             primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
-        if not use_aux_flow:
-            primary_logits = self.lm_head(primary_rows)
-            return primary_logits, primary_logits
-        if not with_primary:
-            return None, self.lm_head(outputs.aux_last_hidden_state)
-        # One LM-head call over the rows that need logits; stacking on the batch dim keeps both halves contiguous.
-        all_logits = self.lm_head(torch.cat([primary_rows, outputs.aux_last_hidden_state], dim=0))
-        primary_logits, aux_logits = all_logits.split(primary_rows.shape[0], dim=0)
-        return primary_logits, aux_logits
+        primary_logits = self.lm_head(primary_rows) if with_primary or not use_aux_flow else None
+        return primary_logits, self.lm_head(outputs.aux_last_hidden_state) if use_aux_flow else primary_logits
 
     def _lm_loss(self, primary_logits, aux_logits, labels, **kwargs):
         """CE(aux) + primary_loss_weight * CE(primary) with the aux flow on, CE(primary) with it off."""
