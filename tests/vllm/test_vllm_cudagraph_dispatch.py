@@ -5,7 +5,8 @@ to capture sizes, vLLM's `_capture_cudagraphs` captures every batch descriptor, 
 them by the forward context's batch descriptor. Only the CUDA graph itself is replaced: capture runs the piece
 eagerly and keeps its inputs and outputs, replay calls the piece again on the tensors it was captured with and writes
 into the captured outputs (what a graph's kernels read and write). Served tokens and logprobs must equal the same
-engine's run with the dispatcher off (no padding, no graphs) exactly.
+engine's run with the dispatcher off (no padding, no graphs) exactly: prefill, a mixed step, pure decode, and the
+verification steps of n-gram speculation.
 
 What the CPU build forces, and what is overridden here (in this process, where the engine runs): the CPU platform
 reports no static-graph support (so vLLM sets `cudagraph_mode=NONE`), turns `VLLM_COMPILE` into
