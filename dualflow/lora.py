@@ -4,6 +4,8 @@ embedding, per-layer couplings, round gates and aux adapters) trained in full th
 the result (`PeftModel.save_pretrained`, `PeftModel.from_pretrained`, `merge_and_unload`).
 """
 
+import warnings
+
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
@@ -54,4 +56,7 @@ def dualflow_lora_config(
 
 def add_lora(model, r: int = 16, lora_alpha: int = 32, train_aux_modules: bool = True, **options) -> PeftModel:
     """Wrap `model` with LoRA as configured by `dualflow_lora_config` (`options`: its `lora_dropout`, `target_modules`)."""
-    return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha, train_aux_modules, **options))
+    with warnings.catch_warnings():
+        # PEFT reads `is_gradient_checkpointing`, a name transformers 5.23 deprecated: PEFT's to change, not the user's
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, dualflow_lora_config(model.config, r, lora_alpha, train_aux_modules, **options))

@@ -140,15 +140,13 @@ class DualFlowAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.attention_bias)
-        # Qwen3 normalises each head, OLMoE the whole projection, the others neither.
-        if config.qk_norm == "per_head":
-            self.q_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = DualFlowRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        elif config.qk_norm == "full":
-            self.q_norm = DualFlowRMSNorm(q_dim, eps=config.rms_norm_eps)
-            self.k_norm = DualFlowRMSNorm(kv_dim, eps=config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        # Qwen3 normalises each head, OLMoE the whole projection (as one group of heads), the others neither.
+        self.q_norm = self.k_norm = None
+        if config.qk_norm is not None:
+            per_head = config.qk_norm == "per_head"
+            self.norm_groups = (-1, self.head_dim) if per_head else (1, -1)
+            self.q_norm = DualFlowRMSNorm(self.head_dim if per_head else q_dim, eps=config.rms_norm_eps)
+            self.k_norm = DualFlowRMSNorm(self.head_dim if per_head else kv_dim, eps=config.rms_norm_eps)
         if config.aux_adapter_rank:
             self.aux_q_adapter = DualFlowAuxAdapter(config.hidden_size, q_dim, config.aux_adapter_rank)
             self.aux_o_adapter = DualFlowAuxAdapter(q_dim, config.hidden_size, config.aux_adapter_rank)
@@ -156,15 +154,14 @@ class DualFlowAttention(nn.Module):
             self.aux_q_adapter = self.aux_o_adapter = None
 
     def _project(self, hidden_states, proj, norm, num_primary=0, aux_adapter=None):
+        """(batch, rows, hidden) -> (batch, heads, rows, head_dim): projected, q/k-normed, then clipped (OLMoE's order)."""
+        rows = hidden_states.shape[:-1]
         states = add_to_aux_rows(proj(hidden_states), hidden_states, aux_adapter, num_primary)
-        if self.config.qk_norm == "full" and norm is not None:
-            states = norm(states)
+        if norm is not None:
+            states = norm(states.view(*rows, *self.norm_groups))
         if self.config.clip_qkv is not None:
             states = states.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
-        states = states.view(*hidden_states.shape[:-1], -1, self.head_dim)
-        if self.config.qk_norm == "per_head" and norm is not None:
-            states = norm(states)
-        return states.transpose(1, 2)
+        return states.view(*rows, -1, self.head_dim).transpose(1, 2)
 
     def forward(
         self,

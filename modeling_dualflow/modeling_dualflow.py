@@ -14,7 +14,6 @@ from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
@@ -39,6 +38,7 @@ from .attention_dualflow import (
 from .cache_dualflow import DualFlowCache, check_cache_shapes
 from .configuration_dualflow import DualFlowConfig
 from .outputs_dualflow import (
+    CACHE_FIELD,
     DualFlowCausalLMOutputWithPast,
     DualFlowModelOutputWithPast,
     flows_of,
@@ -46,16 +46,6 @@ from .outputs_dualflow import (
     record_flows,
     returned_hidden_states,
 )
-
-
-# --- Compatibility with the supported transformers range (5.19 .. <6) -------------------------------------------------
-# transformers 5.24 renamed the cache keyword and output field
-# `past_key_values` to `cache`, and `generate` passes and reads the name of the installed version (5.24 still takes the
-# old one, with a deprecation warning). So the forwards take both keywords (`cache` wins), outputs are built and read
-# under CACHE_FIELD, `_skip_keys_device_placement` (and the config's `keys_to_ignore_at_inference`) name both, and
-# `create_causal_mask` gets the cache by position. (What `output_hidden_states` selects changed too: outputs_dualflow.py.)
-CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-# -----------------------------------------------------------------------------------------------------------------------
 
 
 class DualFlowRotaryEmbedding(LlamaRotaryEmbedding):
@@ -420,15 +410,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         aux_positions (`int` or `torch.LongTensor` of shape `(num_aux_positions,)`, *optional*):
             Where the auxiliary flow runs, read like `logits_to_keep`: 0 every position, an int k the last k, a tensor
             those sequence indices; `None` runs the primary flow only.
-        aux_inputs_embeds (`torch.FloatTensor` of shape `(batch_size, sequence_length, hidden_size)`, *optional*):
-            Where the aux flow starts. The aux row of a position starts from `aux_inputs_embeds` when given, else from
-            the aux embedding of its id, else (no ids: `inputs_embeds` only) from its `inputs_embeds` row.
-        aux_num_experts_per_tok (`int`, *optional*):
-            Expert top-k of the aux flow for this call; defaults to `config.aux_num_experts_per_tok`.
-        aux_num_rounds (`int`, *optional*):
-            Passes of the aux flow through the layers for this call; defaults to `config.aux_num_rounds`.
-        cache (`Cache`, *optional*):
-            `past_key_values` under the name transformers uses from 5.24 on (either works).
+        aux_inputs_embeds, aux_num_experts_per_tok, aux_num_rounds, cache: as for `DualFlowForCausalLM.forward`.
         """
         outputs = self._stacked_forward(
             input_ids=input_ids,
@@ -497,7 +479,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(num_primary, device=inputs_embeds.device).unsqueeze(0) + past_length
         mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
-        # the cache goes by position: its keyword is `cache` from transformers 5.24 on, `past_key_values` before
+        # the cache by position: its keyword's name depends on the version (CACHE_FIELD)
         primary_mask = mask_function(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
         masks = DualFlowMasks(primary=(primary_mask, None, position_ids))
 

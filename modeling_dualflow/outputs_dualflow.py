@@ -7,10 +7,17 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.utils import output_capturing
 
 
-# Compatibility: `output_hidden_states` may select hidden states, read differently across the range: 5.24 takes positions among all
-# of them (the input state first, negative ones from the end, an int for one), earlier versions a list of positions
-# among the layers' outputs (no input state; anything else as a flag). The model selects as Qwen3-MoE does.
+# --- The differences within the supported transformers range (5.19 .. <6), all in one place -------------------------
+# 5.24 renamed the cache keyword and output field `past_key_values` to `cache`; `generate` passes and reads the name of
+# the installed version (5.24 still takes the old one, with a deprecation warning). So the forwards take both keywords
+# (`cache` wins), outputs are built and read under CACHE_FIELD, `_skip_keys_device_placement` (and the config's
+# `keys_to_ignore_at_inference`) name both, and `create_causal_mask` gets the cache by position.
+CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+# 5.24 (`resolve_hidden_states_indices`) reads an `output_hidden_states` selection as positions among all states (the
+# input state first, negative ones from the end, an int for one); 5.19-5.23 as a list of positions among the layers'
+# outputs (no input state; anything else as a flag). The model selects as Qwen3-MoE does (`hidden_states_to_return`).
 SELECTS_AMONG_ALL_STATES = hasattr(output_capturing, "resolve_hidden_states_indices")
+# -----------------------------------------------------------------------------------------------------------------------
 
 
 def hidden_states_to_return(output_hidden_states, num_layers: int) -> tuple[set[int] | None, bool]:

@@ -22,6 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from modeling_dualflow import DualFlowForCausalLM
+from modeling_dualflow.attention_dualflow import DualFlowQueryHeadGroups
 
 
 FLASH = "dualflow_test_flash_attention"  # "flash" in the name: transformers treats it as a flash implementation
@@ -131,6 +132,33 @@ def test_one_call_per_layer_given_a_module_that_says_its_head_groups(backend, mo
         model(input_ids, attention_mask=attention_mask)
     heads = "DualFlowAttention" if backend == FLASH else "DualFlowQueryHeadGroups"
     assert calls == [(heads, 8, 2)] * model.config.num_hidden_layers  # 4 primary + 4 aux query heads, 2 kv heads
+
+
+def test_the_head_groups_module_holds_every_attribute_a_backend_reads(backend, monkeypatch):
+    """
+    The contract of the both-flows call's module: eager, sdpa and flex read nothing from it but the attributes it
+    holds (an attribute it lacked, inherited from nn.Module or not, would be read as the layer's), and eager and sdpa
+    read the group from it. Flash gets the layer's attention, whose attributes hold for the shapes it is given.
+    """
+    model = tiny_model(attn_implementation=backend)
+    read = set()
+
+    def recording(module, name):
+        if not name.startswith("_") and not callable(getattr(torch.nn.Module, name, None)):  # data, not methods
+            read.add(name)
+        return object.__getattribute__(module, name)
+
+    monkeypatch.setattr(DualFlowQueryHeadGroups, "__getattribute__", recording)
+    input_ids, attention_mask = left_padded_batch([7, 4])
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask)
+    held = set(vars(model.model.layers[0].self_attn.both_flows_heads)) | {"training"}
+    if backend == FLASH:
+        assert read == set()
+        return
+    assert read and read <= held, read - held
+    if backend in ("eager", "sdpa"):
+        assert "num_key_value_groups" in read
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
