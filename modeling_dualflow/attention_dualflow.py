@@ -227,7 +227,8 @@ class DualFlowAttention(nn.Module):
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()
         attn_output = add_to_aux_rows(self.o_proj(attn_output), attn_output, self.aux_o_adapter, num_primary)
         # the model's output recorder takes the (primary, aux) weights where the backend gave any
-        return attn_output, None if attn_weights == (None, None) else attn_weights, (key_states, value_states)
+        attn_weights = attn_weights if any(weights is not None for weights in attn_weights) else None
+        return attn_output, attn_weights, (key_states, value_states)
 
     def _attend_as_query_heads(self, attend, query_states, num_primary, flow_masks):
         """Aux rows at the primary positions: one call in which each key/value head gets its aux heads after its
