@@ -126,7 +126,7 @@ def measure_engine(checkpoint: Path, use_aux_flow: bool, batches: list[int], rou
                     mixed = short + prompts(LONG_PROMPTS, LONG_PROMPT)
                     for name in rotated(ARMS, round_index):
                         with arm(name):
-                            gc.collect()  # vLLM froze the collector's heap at startup: no collection inside a timing
+                            gc.collect()  # before each timing, so that no arm pays for another's garbage
                             start = time.perf_counter()
                             run_vllm(llm, mixed, DECODE_TOKENS)
                             elapsed = time.perf_counter() - start
