@@ -26,10 +26,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class DualFlowAuxAdapter(nn.Module):
-    """
-    Low-rank delta `x -> up(down(x))` that the aux rows add to the output of a shared weight (`aux_adapter_rank`):
-    capacity of the aux flow's own, while primary rows never see it. `up` starts at zero (so does the delta).
-    """
+    """Low-rank delta `up(down(x))` the aux rows alone add to a shared weight's output; `up` starts at zero."""
 
     def __init__(self, in_features: int, out_features: int, rank: int):
         super().__init__()
@@ -54,9 +51,8 @@ def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlo
 @dataclass(frozen=True)
 class DualFlowMasks:
     """
-    How the rows of a layer attend, as `(mask, is_causal, position_ids)` per flow (flash finds packed sequences from
-    the position ids). `aux` is None where the aux rows sit at the primary rows' positions (training, scoring, decode):
-    they then attend in the primary rows' call, as extra query heads over the same keys/values.
+    `(mask, is_causal, position_ids)` per flow. `aux` is None where the aux rows sit at the primary positions
+    (training, scoring, decode): they then attend as extra query heads in the primary rows' call.
     """
 
     primary: tuple
@@ -69,9 +65,8 @@ class DualFlowMasks:
 
 def aux_rows_mask(config, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length):
     """
-    Mask and is_causal flag of aux rows at other positions than the primary rows (prefill or scoring with
-    `logits_to_keep`): each aux row gets its position's primary mask row (padding, window), in the form the backend
-    takes. `last_positions`: the aux rows are the last P positions, in order.
+    Mask and is_causal of aux rows elsewhere than at every primary position: each gets its position's primary mask row,
+    in the backend's form. `last_positions`: they are the last P positions, in order.
     """
     num_aux = aux_positions.shape[0]
     if isinstance(primary_mask, BlockMask):  # flex: the primary mask function, its query index mapped to positions
@@ -104,11 +99,8 @@ def aux_rows_mask(config, primary_mask, aux_positions, last_positions, num_prima
 
 class DualFlowQueryHeadGroups(nn.Module):
     """
-    The module the attention functions get for a call whose query heads are grouped `num_key_value_groups` to a
-    key/value head. The layer's attention attends for both flows in one call by giving each key/value head its primary
-    query heads, then as many aux heads: twice its own group. Eager, sdpa and flex get this module for that call (eager
-    and sdpa read the group from it for repeat_kv); flash, which takes the group from the shapes and its dtype from the
-    layer's weights, gets the layer's attention. It holds no weights.
+    The weightless module eager, sdpa and flex get for the both-flows call: each key/value head has its primary query
+    heads then as many aux heads, so the group (which eager and sdpa read for repeat_kv) is twice the layer's.
     """
 
     def __init__(self, config, layer_idx: int, num_key_value_groups: int):

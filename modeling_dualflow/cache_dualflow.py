@@ -5,27 +5,15 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLa
 
 class DualFlowCache(DynamicCache):
     """
-    The cache `generate` runs a Dual-Flow model on (and `forward` builds when called with `use_cache=True` and no
-    cache). Its contract:
-
-    - It holds the primary flow's keys and values only, one entry per layer, written by the primary rows. The
-      auxiliary flow reads them and writes nothing, so the cache is byte for byte the size of the base model's cache
-      for the same tokens, and `get_seq_length()` is the number of primary tokens cached (the aux flow adds none).
-    - `nbytes()` says how many bytes the cached keys and values take.
-    - `from_cache(cache, config)` copies a cache another model filled, such as the base model's prefill.
-    - Everything else is `DynamicCache`'s: sliding-window layers (`config.sliding_window`), `offloading=True`,
-      `crop`, `reorder_cache` and `batch_select_indices` for assisted decoding and beam search.
-
-    Static and quantized caches, as transformers prepares them, hold the same primary keys and values and work too.
+    The cache `generate` runs a Dual-Flow model on: the primary flow's keys and values only, written by the primary
+    rows (the aux flow reads them and writes nothing), so it is the size of the base model's cache for the same tokens
+    and `get_seq_length()` counts primary tokens. Everything else (sliding-window layers, offloading, `crop`,
+    `reorder_cache`, `batch_select_indices`) is `DynamicCache`'s; static and quantized caches work too.
     """
 
     @classmethod
     def from_cache(cls, cache: Cache, config) -> "DualFlowCache":
-        """
-        A `DualFlowCache` holding the tokens `cache` holds. The primary flow is the base model, so a cache its source
-        family's own class filled (a `DynamicCache` or a `StaticCache`) is one this model can go on from; a cache of
-        other shapes is refused.
-        """
+        """A copy of a cache the base model filled (a `DynamicCache` or `StaticCache`); other shapes are refused."""
         check_cache_shapes(cache, config)
         new = cls(config=config)
         for source, target in zip(cache.layers, new.layers):
@@ -44,33 +32,21 @@ class DualFlowCache(DynamicCache):
 
     def nbytes(self) -> int:
         """Bytes held by the cached keys and values."""
-        total = 0
-        for layer in self.layers:
-            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if tensor is not None and tensor.numel():
-                    total += tensor.numel() * tensor.element_size()
-        return total
+        tensors = [getattr(layer, name, None) for layer in self.layers for name in ("keys", "values")]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor is not None)
 
 
 def check_cache_shapes(cache: Cache, config, tp_size: int | None = None) -> None:
-    """
-    Refuse a cache that a model of other shapes filled (layer count, key/value heads, head size): its keys and values
-    would fail deep inside attention, or worse, be read as this model's. Layers not filled yet are not checked.
-    """
+    """Refuse a cache a model of other shapes filled: its keys would fail deep in attention, or be read as ours."""
     # under tensor parallelism each rank caches its own share of the heads
-    num_heads = config.num_key_value_heads // (tp_size or 1)
-    expected = (config.num_hidden_layers, num_heads, config.head_dim)
-    filled = [
-        layer.keys for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4
-    ]
-    if not filled:
-        return
-    found = (len(cache.layers), filled[0].shape[1], filled[0].shape[-1])
-    if found != expected or any(keys.shape[1] != num_heads or keys.shape[-1] != config.head_dim for keys in filled):
-        raise ValueError(
-            f"the cache holds {found[0]} layers of {found[1]} key/value heads of size {found[2]}, this model needs "
-            f"{expected[0]} of {expected[1]} of size {expected[2]}: it was filled by a model of other shapes"
-        )
+    expected = (config.num_hidden_layers, config.num_key_value_heads // (tp_size or 1), config.head_dim)
+    for keys in (getattr(layer, "keys", None) for layer in cache.layers):
+        found = (len(cache.layers), keys.shape[1], keys.shape[-1]) if keys is not None and keys.dim() == 4 else None
+        if found not in (None, expected):
+            raise ValueError(
+                f"the cache holds {found[0]} layers of {found[1]} key/value heads of size {found[2]}, this model needs "
+                f"{expected[0]} of {expected[1]} of size {expected[2]}: it was filled by a model of other shapes"
+            )
 
 
 __all__ = ["DualFlowCache"]

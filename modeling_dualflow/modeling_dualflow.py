@@ -54,29 +54,16 @@ class DualFlowRotaryEmbedding(LlamaRotaryEmbedding):
 
 @use_experts_implementation
 class DualFlowExperts(Qwen3MoeExperts):
-    """
-    Routed experts: transformers' Qwen3-MoE experts (fused `gate_up_proj` (experts, 2 * intermediate, hidden), gate
-    rows first; `down_proj` (experts, hidden, intermediate)). Decorated here as well because transformers offers its
-    experts kernels (grouped_mm, batched_mm) to a model whose own file applies the decorator; the kernel is picked once,
-    by the outer wrapper.
-    """
+    """Qwen3-MoE's experts, decorated again: transformers offers its experts kernels to models whose file does."""
 
 
 def route_two_top_k(
     router_probs: torch.Tensor, is_aux_row: torch.Tensor, top_k: int, aux_top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    The two-top-k routing rule of the shared router: each row takes the top-k of its router probabilities
-    for its own flow (k_p = `top_k` for primary rows, k_a = `aux_top_k` for aux rows), weights renormalised over those
-    k when `norm_topk_prob`.
-
-    Returned as K = max(k_p, k_a) slots for every row: a row's slots past its own k repeat its first expert at weight 0
-    (a real index, which every kernel handles, and an expert the row reads anyway). How the slots reach the experts
-    kernel is the engine's layout: this model keeps k_p slots per row and cuts aux rows into chunks of k_p
-    (`DualFlowSparseMoeBlock._two_fanouts`), so prefill computes no padding slot.
-
-    router_probs: (rows, num_experts), the softmax of the router logits; is_aux_row: (rows,) bool.
-    Returns weights (rows, K) in router_probs' dtype and expert indices (rows, K) int64.
+    Each row's top-k of `router_probs` (rows, num_experts) for its flow (`top_k` primary, `aux_top_k` where
+    `is_aux_row`), renormalised when `norm_topk_prob`. Returns weights and indices (rows, K = max of the two): slots past
+    a row's own k repeat its first expert at weight 0, a real index every kernel handles.
     """
     num_slots = max(top_k, aux_top_k)
     weights, indices = torch.topk(router_probs, num_slots, dim=-1)
@@ -164,12 +151,8 @@ class DualFlowSparseMoeBlock(nn.Module):
 
 class DualFlowGain(nn.Module):
     """
-    A per-channel gain, initialised to `init_value`. Two per layer, both aux-flow parameters: `aux_coupling` (c_l) scales the
-    primary state entering the layer that the aux flow adds (0 at upcycling), `aux_round_gate` (models with
-    `aux_num_rounds` > 1) the layer's residual update in the aux rounds after the first (set to
-    `aux_round_gate_init` at init: 1 for a new model with several rounds, 0, the identity, where a converted model must
-    keep computing as its source). A module rather than a bare parameter so that PEFT's `modules_to_save` can train and
-    save it like the aux embedding.
+    A per-channel gain of the aux flow: `aux_coupling` (c_l, on the primary state the aux rows add) and `aux_round_gate`
+    (on a later aux round's residual update). A module so that PEFT's `modules_to_save` can train and save it.
     """
 
     def __init__(self, hidden_size: int, init_value: float = 0.0):
@@ -193,14 +176,9 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.aux_coupling = DualFlowGain(config.hidden_size)
-        self.aux_round_gate = (
-            DualFlowGain(config.hidden_size, config.aux_round_gate_init) if config.aux_num_rounds > 1 else None
-        )
-        self.aux_mlp_adapter = (
-            DualFlowAuxAdapter(config.hidden_size, config.hidden_size, config.aux_adapter_rank)
-            if config.aux_adapter_rank
-            else None
-        )
+        gate_init, rank = config.aux_round_gate_init, config.aux_adapter_rank
+        self.aux_round_gate = DualFlowGain(config.hidden_size, gate_init) if config.aux_num_rounds > 1 else None
+        self.aux_mlp_adapter = DualFlowAuxAdapter(config.hidden_size, config.hidden_size, rank) if rank else None
 
     def forward(
         self,
@@ -369,9 +347,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
         rows' own where they sit elsewhere than at every primary position (then they attend in a call of their own).
         """
         num_primary = inputs_embeds.shape[1]
-        at_every_position = keeps_every_position(aux_positions, num_primary)
         last_positions = not isinstance(aux_positions, torch.Tensor)
-        aux_positions = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
+        aux_positions, at_every_position = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
         if aux_inputs_embeds is not None:
             aux_embeds = aux_inputs_embeds[:, aux_positions]
         elif input_ids is not None:
@@ -545,26 +522,21 @@ class DualFlowModel(DualFlowPreTrainedModel):
         return torch.cat([hidden_states[:, :num_primary], aux_states], dim=1)
 
 
-def keeps_every_position(logits_to_keep: int | torch.Tensor, seq_len: int) -> bool:
-    """True when `logits_to_keep` asks for every position in order (a tensor may reorder or repeat positions)."""
-    return not isinstance(logits_to_keep, torch.Tensor) and (logits_to_keep == 0 or logits_to_keep >= seq_len)
-
-
-def positions_to_keep(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
+def positions_to_keep(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device):
     """
-    Sequence indices whose logits are requested: 0 = all, int k = last k, tensor = those indices.
-    Both flows' logits are taken there, and the aux flow runs there.
+    The sequence indices `logits_to_keep` asks for (0 all, int k the last k, a tensor those indices), where both flows'
+    logits are taken and the aux flow runs; and whether they are every position in order.
     """
     if isinstance(logits_to_keep, torch.Tensor):
         positions = logits_to_keep.to(device=device, dtype=torch.long).reshape(-1)
         positions = torch.where(positions < 0, positions + seq_len, positions)
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= seq_len):
             raise ValueError(f"logits_to_keep holds indices outside [0, {seq_len})")
-        return positions
+        return positions, False  # a tensor may reorder or repeat positions
     if logits_to_keep < 0:
         raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
     keep = seq_len if logits_to_keep == 0 else min(logits_to_keep, seq_len)
-    return torch.arange(seq_len - keep, seq_len, device=device)
+    return torch.arange(seq_len - keep, seq_len, device=device), keep == seq_len
 
 
 class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
@@ -668,8 +640,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         # shape[-1] / shape[-2]: a wrongly shaped input reaches the model's own one-line check, not an IndexError here
         seq_len = input_ids.shape[-1] if input_ids is not None else inputs_embeds.shape[-2]
         device = (input_ids if input_ids is not None else inputs_embeds).device
-        keep_positions = positions_to_keep(logits_to_keep, seq_len, device)
-        keep_all = keeps_every_position(logits_to_keep, seq_len)
+        keep_positions, keep_all = positions_to_keep(logits_to_keep, seq_len, device)
 
         outputs: DualFlowModelOutputWithPast = self.model(
             input_ids=input_ids,
@@ -699,8 +670,13 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
                 outputs, attention_mask, seq_len, keep_positions, aux_num_experts_per_tok
             )
             if loss is not None:
-                balance_loss = aux_loss.to(loss.device)
-                loss = loss + self._balance_loss_term(balance_loss, labels, kwargs.get("num_items_in_batch"))
+                balance_term = self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+                if kwargs.get("num_items_in_batch") is not None:
+                    # With `num_items_in_batch` (Trainer's gradient accumulation) the CE terms are divided by the whole
+                    # accumulated batch and Trainer no longer divides by the steps: weigh this micro-batch's balance
+                    # loss by its share of the label tokens, or it would count once per accumulation step.
+                    balance_term = balance_term * (labels[..., 1:] != -100).sum() / kwargs["num_items_in_batch"]
+                loss = loss + balance_term
 
         return DualFlowCausalLMOutputWithPast(
             loss=loss,
@@ -735,16 +711,6 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             return primary_ce
         aux_ce = self.loss_function(aux_logits, labels, self.vocab_size, **kwargs)
         return aux_ce + self.config.primary_loss_weight * primary_ce
-
-    def _balance_loss_term(self, balance_loss, labels, num_items_in_batch):
-        """The router balance loss as the training loss adds it: weighted by `router_aux_loss_coef`."""
-        term = self.config.router_aux_loss_coef * balance_loss
-        if num_items_in_batch is not None:
-            # With `num_items_in_batch` (Trainer's gradient accumulation) the CE terms are already divided by the whole
-            # accumulated batch and Trainer no longer divides by the steps: weigh this micro-batch's mean balance loss
-            # by its share of the label tokens, or it would count once per accumulation step.
-            term = term * (labels[..., 1:] != -100).sum() / num_items_in_batch
-        return term
 
     def _router_balance_loss(self, outputs, attention_mask, seq_len, keep_positions, aux_top_k):
         """

@@ -64,11 +64,8 @@ class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     aux_loss (`torch.FloatTensor`, *optional*):
         The router load-balancing loss (transformers' name for it): each flow's Switch-style loss over its own rows and
         top-k, summed; padding positions are left out. Returned when `output_router_logits` is on (MoE models only).
-    hidden_states / attentions / router_logits (*optional*):
-        The primary flow's, with the shapes and meaning a Qwen3-MoE model of the same config gives them.
-    aux_hidden_states / aux_attentions / aux_router_logits (*optional*):
-        The aux flow's at the predicted positions (see `DualFlowModelOutputWithPast`); `aux_hidden_states[-1]` is the
-        final-normed state the LM head reads.
+    hidden_states, attentions, router_logits, aux_hidden_states, aux_attentions, aux_router_logits (*optional*):
+        As in `DualFlowModelOutputWithPast`.
     """
 
     primary_logits: torch.FloatTensor | None = None
