@@ -151,8 +151,9 @@ class DualFlowSparseMoeBlock(nn.Module):
 
 class DualFlowGain(nn.Module):
     """
-    A per-channel gain of the aux flow: `aux_coupling` (c_l, on the primary state the aux rows add) and `aux_round_gate`
-    (on a later aux round's residual update). A module so that PEFT's `modules_to_save` can train and save it.
+    A per-channel gain of the aux flow, initialised to `init_value`: `aux_coupling` (c_l, on the primary state the aux
+    rows add; 0) and `aux_round_gate` (on a later aux round's residual update; `aux_round_gate_init`). A module so that
+    PEFT's `modules_to_save` can train and save it.
     """
 
     def __init__(self, hidden_size: int, init_value: float = 0.0):
