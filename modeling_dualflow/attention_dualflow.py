@@ -1,7 +1,7 @@
 """Attention of a Dual-Flow layer: queries of both flows in one call against the keys/values of the primary rows."""
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +13,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, eager_attenti
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.generic import is_flash_attention_requested
-
-
-class DualFlowRMSNorm(LlamaRMSNorm):
-    pass
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -48,8 +44,7 @@ def add_to_aux_rows(output: torch.Tensor, inputs: torch.Tensor, adapter: DualFlo
     return torch.cat([output[:, :num_primary], aux_output], dim=1) if num_primary else aux_output
 
 
-@dataclass(frozen=True)
-class DualFlowMasks:
+class DualFlowMasks(NamedTuple):
     """
     `(mask, is_causal, position_ids)` per flow. `aux` is None where the aux rows sit at the primary positions
     (training, scoring, decode): they then attend as extra query heads in the primary rows' call.
@@ -57,10 +52,6 @@ class DualFlowMasks:
 
     primary: tuple
     aux: tuple | None = None
-
-    @property
-    def aux_rows(self) -> tuple:
-        return self.primary if self.aux is None else self.aux
 
 
 def aux_rows_mask(config, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length):
@@ -137,8 +128,8 @@ class DualFlowAttention(nn.Module):
         if config.qk_norm is not None:
             per_head = config.qk_norm == "per_head"
             self.norm_groups = (-1, self.head_dim) if per_head else (1, -1)
-            self.q_norm = DualFlowRMSNorm(self.head_dim if per_head else q_dim, eps=config.rms_norm_eps)
-            self.k_norm = DualFlowRMSNorm(self.head_dim if per_head else kv_dim, eps=config.rms_norm_eps)
+            self.q_norm = LlamaRMSNorm(self.head_dim if per_head else q_dim, eps=config.rms_norm_eps)
+            self.k_norm = LlamaRMSNorm(self.head_dim if per_head else kv_dim, eps=config.rms_norm_eps)
         if config.aux_adapter_rank:
             self.aux_q_adapter = DualFlowAuxAdapter(config.hidden_size, q_dim, config.aux_adapter_rank)
             self.aux_o_adapter = DualFlowAuxAdapter(q_dim, config.hidden_size, config.aux_adapter_rank)
@@ -207,13 +198,15 @@ class DualFlowAttention(nn.Module):
         num_aux = hidden_states.shape[1] - num_primary
         attn_weights = (None, None)
         if num_aux == 0 or num_primary == 0:  # one flow's rows only
-            attn_output, weights = attend(self, query_states, masks.primary if num_aux == 0 else masks.aux_rows)
+            attn_output, weights = attend(
+                self, query_states, masks.primary if num_aux == 0 else (masks.aux or masks.primary)
+            )
             attn_weights = (weights, None) if num_aux == 0 else (None, weights)
         elif masks.aux is None and not output_attentions:
             attn_output = self._attend_as_query_heads(attend, query_states, num_primary, masks.primary)
         else:  # a call per flow; asked for weights, each flow's are then the tensors its output was computed from
             primary_output, primary_weights = attend(self, query_states[:, :, :num_primary], masks.primary)
-            aux_output, aux_weights = attend(self, query_states[:, :, num_primary:], masks.aux_rows)
+            aux_output, aux_weights = attend(self, query_states[:, :, num_primary:], (masks.aux or masks.primary))
             attn_output = torch.cat([primary_output, aux_output], dim=1)
             attn_weights = (primary_weights, aux_weights)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()

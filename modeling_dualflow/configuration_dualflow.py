@@ -245,23 +245,17 @@ class DualFlowConfig(PreTrainedConfig):
             raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
         if self.aux_embed_init not in AUX_EMBED_INITS:
             raise ValueError(f"aux_embed_init must be one of {AUX_EMBED_INITS}, got {self.aux_embed_init!r}")
-        if self.aux_num_rounds < 1:
-            raise ValueError(f"aux_num_rounds must be >= 1, got {self.aux_num_rounds}")
         if self.aux_adapter_rank < 0:
             raise ValueError(f"aux_adapter_rank must be >= 0 (0 = no adapters), got {self.aux_adapter_rank}")
         if self.num_experts < 0:
             raise ValueError(f"num_experts must be >= 0 (0 = dense), got {self.num_experts}")
-        if self.num_experts == 0:  # dense: top-k fields ignored, but a different aux top-k asks for experts
-            if self.aux_num_experts_per_tok != self.num_experts_per_tok:
-                raise ValueError(
-                    f"aux_num_experts_per_tok={self.aux_num_experts_per_tok} needs a MoE model (num_experts > 0); "
-                    "this config is dense"
-                )
+        self.check_aux_settings(self.aux_num_experts_per_tok, self.aux_num_rounds)
+        if self.num_experts == 0:  # dense: the top-k fields are not used
             return
-        for name in ("num_experts_per_tok", "aux_num_experts_per_tok"):
-            value = getattr(self, name)
-            if not 1 <= value <= self.num_experts:
-                raise ValueError(f"{name} must be in [1, num_experts={self.num_experts}], got {value}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+            )
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
@@ -270,6 +264,24 @@ class DualFlowConfig(PreTrainedConfig):
         if self.shared_expert_intermediate_size < 0:
             raise ValueError(
                 f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}"
+            )
+
+    def check_aux_settings(self, aux_num_experts_per_tok, aux_num_rounds) -> None:
+        """Raise an error naming a bad aux top-k or number of aux rounds: this config's own, or those of one call."""
+        for name, value in (("aux_num_experts_per_tok", aux_num_experts_per_tok), ("aux_num_rounds", aux_num_rounds)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if aux_num_rounds < 1:
+            raise ValueError(f"aux_num_rounds must be >= 1, got {aux_num_rounds}")
+        if self.num_experts == 0 and aux_num_experts_per_tok != self.num_experts_per_tok:
+            # dense: the top-k fields are not used, but an aux top-k of its own asks for experts
+            raise ValueError(
+                f"aux_num_experts_per_tok={aux_num_experts_per_tok} needs a MoE model (num_experts > 0); this model "
+                "is dense"
+            )
+        if self.num_experts and not 1 <= aux_num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"aux_num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {aux_num_experts_per_tok}"
             )
 
     def is_moe_layer(self, layer_idx: int) -> bool:

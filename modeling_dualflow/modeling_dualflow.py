@@ -14,7 +14,7 @@ from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeMLP
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (
@@ -31,7 +31,6 @@ from .attention_dualflow import (
     DualFlowAttention,
     DualFlowAuxAdapter,
     DualFlowMasks,
-    DualFlowRMSNorm,
     add_to_aux_rows,
     aux_rows_mask,
 )
@@ -41,15 +40,11 @@ from .outputs_dualflow import (
     CACHE_FIELD,
     DualFlowCausalLMOutputWithPast,
     DualFlowModelOutputWithPast,
-    flows_of,
     hidden_states_to_return,
     record_flows,
     returned_hidden_states,
+    split_recorded_flows,
 )
-
-
-class DualFlowRotaryEmbedding(LlamaRotaryEmbedding):
-    pass
 
 
 @use_experts_implementation
@@ -174,8 +169,8 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         self.mlp = (
             DualFlowSparseMoeBlock(config) if self.routes_flows else Qwen2MoeMLP(config, config.intermediate_size)
         )
-        self.input_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.aux_coupling = DualFlowGain(config.hidden_size)
         gate_init, rank = config.aux_round_gate_init, config.aux_adapter_rank
         self.aux_round_gate = DualFlowGain(config.hidden_size, gate_init) if config.aux_num_rounds > 1 else None
@@ -280,8 +275,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
         self.layers = nn.ModuleList(
             [DualFlowDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = DualFlowRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = DualFlowRotaryEmbedding(config=config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -320,19 +315,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
 
     def _aux_settings(self, aux_num_experts_per_tok: int | None, aux_num_rounds: int | None) -> tuple[int, int]:
         """This call's aux top-k and number of aux rounds, checked."""
-        for name, value in (("aux_num_experts_per_tok", aux_num_experts_per_tok), ("aux_num_rounds", aux_num_rounds)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"{name} must be an int, got {value!r}")
         aux_top_k = self.config.aux_num_experts_per_tok if aux_num_experts_per_tok is None else aux_num_experts_per_tok
-        if aux_num_experts_per_tok is not None and not self.config.num_experts:
-            raise ValueError("aux_num_experts_per_tok needs a MoE model (num_experts > 0); this model is dense")
-        if self.config.num_experts and not 1 <= aux_top_k <= self.config.num_experts:
-            raise ValueError(
-                f"aux_num_experts_per_tok must be in [1, num_experts={self.config.num_experts}], got {aux_top_k}"
-            )
         num_rounds = self.config.aux_num_rounds if aux_num_rounds is None else aux_num_rounds
-        if num_rounds < 1:
-            raise ValueError(f"aux_num_rounds must be >= 1, got {num_rounds}")
+        self.config.check_aux_settings(aux_top_k, num_rounds)
         if num_rounds > 1 and self.config.aux_num_rounds == 1:
             raise ValueError(
                 "aux_num_rounds > 1 needs a model built with aux_num_rounds > 1 (it holds the round gates); "
@@ -369,6 +354,9 @@ class DualFlowModel(DualFlowPreTrainedModel):
         return hidden_states, row_positions, aux_positions, masks
 
     @can_return_tuple
+    @split_recorded_flows
+    @merge_with_config_defaults
+    @capture_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -381,6 +369,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
         aux_inputs_embeds: torch.FloatTensor | None = None,
         aux_num_experts_per_tok: int | None = None,
         aux_num_rounds: int | None = None,
+        output_hidden_states: bool | int | list[int] | None = None,
+        output_attentions: bool | None = None,
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> DualFlowModelOutputWithPast:
@@ -390,62 +380,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
             those sequence indices; `None` runs the primary flow only.
         aux_inputs_embeds, aux_num_experts_per_tok, aux_num_rounds, cache: as for `DualFlowForCausalLM.forward`.
         """
-        outputs = self._stacked_forward(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=past_key_values if cache is None else cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            aux_positions=aux_positions,
-            aux_inputs_embeds=aux_inputs_embeds,
-            aux_num_experts_per_tok=aux_num_experts_per_tok,
-            aux_num_rounds=aux_num_rounds,
-            return_dict=True,
-            **kwargs,
-        )
-        # The flows recorded per call are split here. Attentions come as (primary, aux) weights per attention call;
-        # router logits per router call over the stacked rows `(batch * (T + P), num_experts)`. The first round's calls
-        # are the model's (extra aux rounds add more).
-        attentions = aux_attentions = None
-        if outputs.attentions is not None:
-            attentions, aux_attentions = flows_of(outputs.attentions[: self.config.num_hidden_layers])
-        router_logits = aux_router_logits = None  # None in a dense model, as transformers' MoE models give them
-        if outputs.router_logits and aux_positions is None:
-            router_logits = outputs.router_logits
-        elif outputs.router_logits:
-            batch_size, num_primary = outputs.last_hidden_state.shape[:2]
-            num_aux = outputs.aux_last_hidden_state.shape[1]
-            num_routed = sum(isinstance(layer.mlp, DualFlowSparseMoeBlock) for layer in self.layers)
-            per_flow = []
-            for logits in outputs.router_logits[:num_routed]:
-                flows = logits.view(batch_size, -1, logits.shape[-1]).split([num_primary, num_aux], dim=1)
-                per_flow.append([rows.reshape(-1, logits.shape[-1]) for rows in flows])
-            router_logits, aux_router_logits = flows_of(per_flow)
-        flows = dict(attentions=attentions, router_logits=router_logits, aux_router_logits=aux_router_logits)
-        return DualFlowModelOutputWithPast(
-            **{**outputs, **flows, "aux_attentions": None if aux_positions is None else aux_attentions}
-        )
-
-    @merge_with_config_defaults
-    @capture_outputs
-    def _stacked_forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.FloatTensor | None = None,
-        use_cache: bool | None = None,
-        aux_positions: int | torch.LongTensor | None = None,
-        aux_inputs_embeds: torch.FloatTensor | None = None,
-        aux_num_experts_per_tok: int | None = None,
-        aux_num_rounds: int | None = None,
-        output_hidden_states: bool | int | list[int] | None = None,
-        output_attentions: bool | None = None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> DualFlowModelOutputWithPast:
-        """The layers over the stacked rows `[primary (T); aux (P)]`; the router logits recorded cover both flows."""
+        cache = past_key_values if cache is None else cache
         past_length = cache.get_seq_length() if cache is not None else 0
         self._check_inputs(input_ids, inputs_embeds, aux_inputs_embeds, attention_mask, past_length)
         aux_top_k, num_rounds = self._aux_settings(aux_num_experts_per_tok, aux_num_rounds)

@@ -1,6 +1,7 @@
 """What a Dual-Flow model returns: its output classes, and each flow's hidden states recorded as tensors of the graph."""
 
 from dataclasses import dataclass
+from functools import wraps
 
 import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -105,3 +106,30 @@ def returned_hidden_states(recorded: list, final_states: tuple, selected: set[in
     num_layers = len(recorded)
     recorded = [*recorded, final_states if num_layers in selected else (None, None)]
     return flows_of(recorded[0 if input_state_returned else 1 :])
+
+
+def split_recorded_flows(forward):
+    """
+    Decorates the base model's `forward` (outside `capture_outputs`): the recorders see both flows in each call,
+    attentions as (primary, aux) weights, router logits over the stacked rows `(batch * (T + P), num_experts)`; this
+    gives each flow its own. The first round's calls are the model's (extra aux rounds add more).
+    """
+
+    @wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        outputs = forward(self, *args, **{**kwargs, "return_dict": True})
+        ran_aux = outputs.aux_last_hidden_state is not None
+        flows = dict(attentions=None, aux_attentions=None, aux_router_logits=None)
+        if outputs.attentions is not None:
+            flows["attentions"], aux_attentions = flows_of(outputs.attentions[: self.config.num_hidden_layers])
+            flows["aux_attentions"] = aux_attentions if ran_aux else None
+        flows["router_logits"] = outputs.router_logits or None  # None in a dense model, as in transformers' MoE models
+        if outputs.router_logits and ran_aux:
+            batch_size, num_primary = outputs.last_hidden_state.shape[:2]
+            num_routed = sum(layer.routes_flows for layer in self.layers)
+            per_row = [logits.unflatten(0, (batch_size, -1)) for logits in outputs.router_logits[:num_routed]]
+            flows["router_logits"] = tuple(rows[:, :num_primary].flatten(0, 1) for rows in per_row)
+            flows["aux_router_logits"] = tuple(rows[:, num_primary:].flatten(0, 1) for rows in per_row)
+        return type(outputs)(**{**outputs, **flows})
+
+    return wrapper

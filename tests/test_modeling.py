@@ -647,9 +647,9 @@ class TestBadInputs:
 
     def test_aux_top_k_on_a_dense_model(self):
         model = tiny_model(num_experts=0)
-        with pytest.raises(ValueError, match="aux_num_experts_per_tok needs a MoE model"):
+        with pytest.raises(ValueError, match="aux_num_experts_per_tok=4 needs a MoE model"):
             model(torch.tensor([[1, 2]]), aux_num_experts_per_tok=4)
-        with pytest.raises(ValueError, match="aux_num_experts_per_tok needs a MoE model"):
+        with pytest.raises(ValueError, match="aux_num_experts_per_tok=4 needs a MoE model"):
             model.generate(torch.tensor([[1, 2]]), max_new_tokens=2, aux_num_experts_per_tok=4)
 
     def test_bad_aux_top_k_and_logits_to_keep(self):

@@ -122,11 +122,7 @@ def check_supported(config, vllm_config) -> None:
             f"aux_adapter_rank={config.aux_adapter_rank} does not match this checkpoint's aux adapters "
             f"(rank {checkpoint_rank}); the rank is set at conversion (`dualflow convert --aux-adapter-rank`)"
         )
-    if config.num_experts and not 1 <= config.aux_num_experts_per_tok <= config.num_experts:
-        raise ValueError(
-            f"aux_num_experts_per_tok must be in [1, num_experts={config.num_experts}], "
-            f"got {config.aux_num_experts_per_tok}"
-        )
+    config.check_aux_settings(config.aux_num_experts_per_tok, config.aux_num_rounds)
 
 
 # Engine option (`hf_overrides`, not a checkpoint field): run the aux flow at every scheduled token, not only at the
