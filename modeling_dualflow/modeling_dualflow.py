@@ -286,32 +286,26 @@ class DualFlowModel(DualFlowPreTrainedModel):
     def _check_inputs(self, input_ids, inputs_embeds, aux_inputs_embeds, attention_mask, past_length):
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        shape = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
-        if len(shape) != 2:
-            raise ValueError(f"input_ids must have shape (batch, sequence_length), got {tuple(shape)}")
-        if 0 in shape:
-            raise ValueError(f"input_ids has shape {tuple(shape)}: give at least one sequence of at least one token")
-        if aux_inputs_embeds is not None and tuple(aux_inputs_embeds.shape[:-1]) != tuple(shape):
+        shape = tuple(input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1])
+        if len(shape) != 2 or 0 in shape:
+            raise ValueError(f"input_ids must have shape (batch, sequence_length), at least one token, got {shape}")
+        if aux_inputs_embeds is not None and tuple(aux_inputs_embeds.shape[:-1]) != shape:
             raise ValueError(
-                f"aux_inputs_embeds has shape {tuple(aux_inputs_embeds.shape)}, expected {(*shape, 'hidden')} "
-                "(one row per input position)"
+                f"aux_inputs_embeds has shape {tuple(aux_inputs_embeds.shape)}, expected {(*shape, 'hidden')}"
             )
         # Only where reading the ids is free: on an accelerator `.tolist()` would stall every decode step on a
-        # device-to-host copy (and the embedding lookup raises its own error there).
-        if input_ids is not None and input_ids.device.type == "cpu" and input_ids.numel():
-            if not is_torchdynamo_compiling():  # a host read would split a compiled decode step into several graphs
-                low, high = torch.stack(torch.aminmax(input_ids)).tolist()
-                if low < 0 or high >= self.vocab_size:
-                    bad = low if low < 0 else high
-                    raise ValueError(f"input_ids contain token id {bad} outside the vocabulary [0, {self.vocab_size})")
+        # device-to-host copy (and the embedding lookup raises its own error there); compiled, it would split the graph.
+        if input_ids is not None and input_ids.device.type == "cpu" and not is_torchdynamo_compiling():
+            low, high = torch.stack(torch.aminmax(input_ids)).tolist()
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(f"input_ids contain token id {bad} outside the vocabulary [0, {self.vocab_size})")
         # generate may hand a prepared mask (a flex BlockMask with a static cache): only a 2-D padding mask is checked
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-            expected = (shape[0], past_length + shape[1])
-            if tuple(attention_mask.shape) != expected:
-                raise ValueError(
-                    f"attention_mask has shape {tuple(attention_mask.shape)}, expected {expected} "
-                    "(batch, past + new tokens)"
-                )
+        expected = (shape[0], past_length + shape[1])
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape != expected:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}, expected {expected} (batch, past + new)"
+            )
 
     def _aux_settings(self, aux_num_experts_per_tok: int | None, aux_num_rounds: int | None) -> tuple[int, int]:
         """This call's aux top-k and number of aux rounds, checked."""
@@ -407,14 +401,13 @@ class DualFlowModel(DualFlowPreTrainedModel):
         layer_kwargs = dict(
             masks=masks, position_embeddings=position_embeddings, aux_top_k=aux_top_k, cache=cache, **kwargs
         )
-        output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        selected, input_state_returned = hidden_states_to_return(
+            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states, len(self.layers)
         )
-        selected, input_state_returned = hidden_states_to_return(output_hidden_states, len(self.layers))
         all_hidden_states, layer_states = [], []  # layer_states: what the extra aux rounds read
-        for index, decoder_layer in enumerate(self.layers[: self.config.num_hidden_layers]):
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             if selected is not None:
-                hidden_states = record_flows(hidden_states, num_primary, all_hidden_states, index in selected)
+                hidden_states = record_flows(hidden_states, num_primary, all_hidden_states)
             coupled_state = hidden_states[:, aux_positions] if aux_positions is not None else None
             hidden_states, keys, values = decoder_layer(
                 hidden_states,
@@ -431,14 +424,10 @@ class DualFlowModel(DualFlowPreTrainedModel):
             )
 
         hidden_states = self.norm(hidden_states)
-        last_hidden_state, aux_last_hidden_state = hidden_states, None
-        if aux_positions is not None:
-            last_hidden_state, aux_last_hidden_state = hidden_states.split(
-                [num_primary, hidden_states.shape[1] - num_primary], dim=1
-            )
-        hidden_states, aux_hidden_states = returned_hidden_states(
-            all_hidden_states, (last_hidden_state, aux_last_hidden_state), selected, input_state_returned
-        )
+        last_hidden_state = hidden_states[:, :num_primary]
+        aux_last_hidden_state = hidden_states[:, num_primary:] if aux_positions is not None else None
+        all_hidden_states.append((last_hidden_state, aux_last_hidden_state))
+        hidden_states, aux_hidden_states = returned_hidden_states(all_hidden_states, selected, input_state_returned)
         return DualFlowModelOutputWithPast(
             last_hidden_state=last_hidden_state,
             **{CACHE_FIELD: cache},
@@ -593,13 +582,21 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             **kwargs,
         )
 
-        with_primary = return_primary_logits or labels is not None
-        primary_logits, logits = self._flow_logits(outputs, keep_positions, keep_all, use_aux_flow, with_primary)
+        primary_rows = outputs.last_hidden_state
+        if not keep_all:  # `.to`: under a device_map the last layer may sit on another device than the inputs
+            primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
+        with_primary = return_primary_logits or labels is not None or not use_aux_flow
+        primary_logits = self.lm_head(primary_rows) if with_primary else None
+        logits = self.lm_head(outputs.aux_last_hidden_state) if use_aux_flow else primary_logits
         loss = None
         if labels is not None:
             if not keep_all:
                 raise ValueError("labels need logits at every position: leave logits_to_keep at 0")
-            loss = self._lm_loss(primary_logits, logits if use_aux_flow else None, labels, **kwargs)
+            # CE(aux) + primary_loss_weight * CE(primary) with the aux flow on, CE(primary) with it off
+            loss = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
+            if use_aux_flow:
+                aux_loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+                loss = aux_loss + self.config.primary_loss_weight * loss
         aux_loss = None
         if output_router_logits and outputs.router_logits:
             aux_loss = self._router_balance_loss(
@@ -627,26 +624,6 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             aux_attentions=outputs.aux_attentions,
             aux_router_logits=outputs.aux_router_logits,
         )
-
-    def _flow_logits(self, outputs, keep_positions, keep_all, use_aux_flow, with_primary):
-        """
-        The (primary, predicted) logits at the kept positions; the prediction is the aux flow's when it ran, and the
-        primary logits are None then unless `with_primary`.
-        """
-        primary_rows = outputs.last_hidden_state
-        if not keep_all:
-            # `.to`: under a device_map the last layer may sit on another device than the inputs.
-            primary_rows = primary_rows[:, keep_positions.to(primary_rows.device)]
-        primary_logits = self.lm_head(primary_rows) if with_primary or not use_aux_flow else None
-        return primary_logits, self.lm_head(outputs.aux_last_hidden_state) if use_aux_flow else primary_logits
-
-    def _lm_loss(self, primary_logits, aux_logits, labels, **kwargs):
-        """CE(aux) + primary_loss_weight * CE(primary) with the aux flow on, CE(primary) with it off."""
-        primary_ce = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
-        if aux_logits is None:
-            return primary_ce
-        aux_ce = self.loss_function(aux_logits, labels, self.vocab_size, **kwargs)
-        return aux_ce + self.config.primary_loss_weight * primary_ce
 
     def _router_balance_loss(self, outputs, attention_mask, seq_len, keep_positions, aux_top_k):
         """

@@ -75,20 +75,16 @@ class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
     aux_router_logits: tuple[torch.FloatTensor, ...] | None = None
 
 
-def record_flows(states: torch.Tensor, num_primary: int, recorded: list, selected: bool = True) -> torch.Tensor:
+def record_flows(states: torch.Tensor, num_primary: int, recorded: list) -> torch.Tensor:
     """
-    Appends the (primary, aux) rows of `states` to `recorded` ((None, None) where not `selected`) as tensors of the
-    graph, so that `retain_grad` on them gets a gradient: the layers go on from their concatenation, which is returned.
+    Appends the (primary, aux) rows of `states` to `recorded` as tensors of the graph, so that `retain_grad` on them
+    gets a gradient: the layers go on from their concatenation, which is returned.
     """
-    if not selected:
-        recorded.append((None, None))
-    elif states.shape[1] == num_primary:  # no aux rows
+    if states.shape[1] == num_primary:  # no aux rows
         recorded.append((states, None))
-    else:
-        flows = states.split([num_primary, states.shape[1] - num_primary], dim=1)
-        recorded.append(flows)
-        states = torch.cat(flows, dim=1)
-    return states
+        return states
+    recorded.append(states.split([num_primary, states.shape[1] - num_primary], dim=1))
+    return torch.cat(recorded[-1], dim=1)
 
 
 def flows_of(per_layer: list) -> tuple[tuple, tuple]:
@@ -96,15 +92,14 @@ def flows_of(per_layer: list) -> tuple[tuple, tuple]:
     return tuple(entry[0] for entry in per_layer), tuple(entry[1] for entry in per_layer)
 
 
-def returned_hidden_states(recorded: list, final_states: tuple, selected: set[int] | None, input_state_returned: bool):
+def returned_hidden_states(recorded: list, selected: set[int] | None, input_state_returned: bool):
     """
-    Each flow's returned hidden states: those `record_flows` recorded entering the layers, then, as in transformers'
-    language models, the final-normed `(primary, aux)` states as the last entry; (None, None) when none were asked for.
+    Each flow's hidden states among those `record_flows` recorded entering the layers, then (as in transformers' language
+    models) the final-normed ones: those `selected`, the others None; (None, None) when none were asked for.
     """
     if selected is None:
         return None, None
-    num_layers = len(recorded)
-    recorded = [*recorded, final_states if num_layers in selected else (None, None)]
+    recorded = [states if index in selected else (None, None) for index, states in enumerate(recorded)]
     return flows_of(recorded[0 if input_state_returned else 1 :])
 
 
