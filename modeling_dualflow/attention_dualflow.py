@@ -55,10 +55,8 @@ class DualFlowMasks(NamedTuple):
 
 
 def aux_rows_mask(config, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length):
-    """
-    Mask and is_causal of aux rows elsewhere than at every primary position: each gets its position's primary mask row,
-    in the backend's form. `last_positions`: they are the last P positions, in order.
-    """
+    """Mask and is_causal of aux rows not at every primary position (`last_positions`: the last P, in order): each
+    gets its position's primary mask row, in the backend's form."""
     num_aux = aux_positions.shape[0]
     if isinstance(primary_mask, BlockMask):  # flex: the primary mask function, its query index mapped to positions
         primary_mask_mod = primary_mask.mask_mod
@@ -89,10 +87,8 @@ def aux_rows_mask(config, primary_mask, aux_positions, last_positions, num_prima
 
 
 class DualFlowQueryHeadGroups(nn.Module):
-    """
-    The weightless module eager, sdpa and flex get for the both-flows call: each key/value head has its primary query
-    heads then as many aux heads, so the group (which eager and sdpa read for repeat_kv) is twice the layer's.
-    """
+    """What eager, sdpa and flex read in the both-flows call: each key/value head has its primary query heads then as
+    many aux heads, so the group (eager and sdpa read it for repeat_kv) is twice the layer's."""
 
     def __init__(self, config, layer_idx: int, num_key_value_groups: int):
         super().__init__()
@@ -130,11 +126,9 @@ class DualFlowAttention(nn.Module):
             self.norm_groups = (-1, self.head_dim) if per_head else (1, -1)
             self.q_norm = LlamaRMSNorm(self.head_dim if per_head else q_dim, eps=config.rms_norm_eps)
             self.k_norm = LlamaRMSNorm(self.head_dim if per_head else kv_dim, eps=config.rms_norm_eps)
-        if config.aux_adapter_rank:
-            self.aux_q_adapter = DualFlowAuxAdapter(config.hidden_size, q_dim, config.aux_adapter_rank)
-            self.aux_o_adapter = DualFlowAuxAdapter(q_dim, config.hidden_size, config.aux_adapter_rank)
-        else:
-            self.aux_q_adapter = self.aux_o_adapter = None
+        rank = config.aux_adapter_rank
+        self.aux_q_adapter = DualFlowAuxAdapter(config.hidden_size, q_dim, rank) if rank else None
+        self.aux_o_adapter = DualFlowAuxAdapter(q_dim, config.hidden_size, rank) if rank else None
 
     def _project(self, hidden_states, proj, norm, num_primary=0, aux_adapter=None):
         """(batch, rows, hidden) -> (batch, heads, rows, head_dim): projected, q/k-normed, then clipped (OLMoE's order)."""

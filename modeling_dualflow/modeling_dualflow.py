@@ -56,9 +56,8 @@ def route_two_top_k(
     router_probs: torch.Tensor, is_aux_row: torch.Tensor, top_k: int, aux_top_k: int, norm_topk_prob: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    Each row's top-k of `router_probs` (rows, num_experts) for its flow (`top_k` primary, `aux_top_k` where
-    `is_aux_row`), renormalised when `norm_topk_prob`. Returns weights and indices (rows, K = max of the two): slots past
-    a row's own k repeat its first expert at weight 0, a real index every kernel handles.
+    Each row's top-k of `router_probs` (rows, num_experts) for its flow (`aux_top_k` where `is_aux_row`), renormalised
+    when `norm_topk_prob`: weights and indices (rows, K = max of the two k), slots past a row's k at weight 0.
     """
     num_slots = max(top_k, aux_top_k)
     weights, indices = torch.topk(router_probs, num_slots, dim=-1)
@@ -87,11 +86,9 @@ class DualFlowSparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.gate = DualFlowRouter(config)
         self.experts = DualFlowExperts(config)
-        if config.shared_expert_intermediate_size > 0:
-            self.shared_expert = Qwen2MoeMLP(config, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+        shared_size = config.shared_expert_intermediate_size
+        self.shared_expert = Qwen2MoeMLP(config, shared_size) if shared_size else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_size else None
 
     def forward(self, hidden_states: torch.Tensor, num_primary: int, aux_top_k: int) -> torch.Tensor:
         # hidden_states: (batch, T + P, hidden), the P aux rows after the T primary rows of each sequence
@@ -112,43 +109,30 @@ class DualFlowSparseMoeBlock(nn.Module):
         return output.view(batch_size, num_rows, hidden_dim)
 
     def _two_fanouts(self, flat, weights, indices, batch_size, num_rows, num_primary):
-        # The experts kernels take one top-k for all rows, so keep k_p: primary rows go in with their k_p slots (the
-        # rule's padding past k_p dropped), and each aux row is cut into ceil(K / k_p) chunks of k_p slots, the first
-        # in the row itself, the others in appended copies of it. Prefill thus pays no extra expert compute for k_a.
-        k_p, hidden_dim = self.top_k, flat.shape[-1]
-        num_aux, num_slots = num_rows - num_primary, weights.shape[-1]
+        # The experts kernels take one top-k for all rows, so keep k_p: every row goes in with its first k_p slots (the
+        # primary rows' padding past k_p dropped), and each aux row again, in appended copies, with each further k_p
+        # slots (the last padded at weight 0 on its first expert). Prefill thus pays no extra expert compute for k_a.
+        k_p, num_slots, num_flat = self.top_k, weights.shape[-1], flat.shape[0]
         chunks = -(-num_slots // k_p)
-        weights = weights.view(batch_size, num_rows, num_slots)
-        indices = indices.view(batch_size, num_rows, num_slots)
-        weights_a, indices_a = weights[:, num_primary:], indices[:, num_primary:]
-        padding = chunks * k_p - num_slots  # more slots at weight 0 on the row's first expert
-        if padding:
-            indices_a = torch.cat([indices_a, indices_a[..., :1].expand(-1, -1, padding)], dim=-1)
-            weights_a = F.pad(weights_a, (0, padding))
-        indices_a = indices_a.reshape(batch_size, num_aux, chunks, k_p)
-        weights_a = weights_a.reshape(batch_size, num_aux, chunks, k_p)
-        row_indices = torch.cat([indices[:, :num_primary, :k_p], indices_a[:, :, 0]], dim=1).reshape(-1, k_p)
-        row_weights = torch.cat([weights[:, :num_primary, :k_p], weights_a[:, :, 0]], dim=1).reshape(-1, k_p)
         if chunks == 1:
-            return self.experts(flat, row_indices, row_weights)
-        aux_rows = flat.view(batch_size, num_rows, hidden_dim)[:, num_primary:]
-        extra_rows = aux_rows.unsqueeze(2).expand(-1, -1, chunks - 1, -1).reshape(-1, hidden_dim)
-        output = self.experts(
-            torch.cat([flat, extra_rows]),
-            torch.cat([row_indices, indices_a[:, :, 1:].reshape(-1, k_p)]),
-            torch.cat([row_weights, weights_a[:, :, 1:].reshape(-1, k_p)]),
+            return self.experts(flat, indices[:, :k_p], weights[:, :k_p])
+        padding = chunks * k_p - num_slots
+        indices = torch.cat([indices, indices[:, :1].expand(-1, padding)], dim=-1)
+        weights = F.pad(weights, (0, padding))
+        aux_rows = torch.arange(num_flat, device=flat.device).view(batch_size, num_rows)[:, num_primary:].flatten()
+        output = self.experts(  # the appended rows: each aux row's later chunks, in order
+            torch.cat([flat, flat[aux_rows].repeat_interleave(chunks - 1, dim=0)]),
+            torch.cat([indices[:, :k_p], indices[aux_rows, k_p:].reshape(-1, k_p)]),
+            torch.cat([weights[:, :k_p], weights[aux_rows, k_p:].reshape(-1, k_p)]),
         )
-        output, extra_output = output.split([flat.shape[0], extra_rows.shape[0]])
-        extra_output = extra_output.view(batch_size, num_aux, chunks - 1, hidden_dim).sum(dim=2)
-        output = output.view(batch_size, num_rows, hidden_dim)
-        return torch.cat([output[:, :num_primary], output[:, num_primary:] + extra_output], dim=1).view(-1, hidden_dim)
+        extra_output = output[num_flat:].view(aux_rows.shape[0], chunks - 1, -1).sum(dim=1)
+        return output[:num_flat].index_add(0, aux_rows, extra_output)
 
 
 class DualFlowGain(nn.Module):
     """
-    A per-channel gain of the aux flow, initialised to `init_value`: `aux_coupling` (c_l, on the primary state the aux
-    rows add; 0) and `aux_round_gate` (on a later aux round's residual update; `aux_round_gate_init`). A module so that
-    PEFT's `modules_to_save` can train and save it.
+    A per-channel gain of the aux flow: `aux_coupling` (c_l, on the primary state the aux rows add; starts at 0) and
+    `aux_round_gate` (on a later round's residual update; `aux_round_gate_init`). A module for PEFT's `modules_to_save`.
     """
 
     def __init__(self, hidden_size: int, init_value: float = 0.0):
@@ -228,25 +212,17 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
 
 
 class DualFlowPreTrainedModel(Qwen3MoePreTrainedModel):
+    # Qwen3-MoE's capabilities hold: every attention backend (the aux rows attend as extra query heads over the same
+    # keys/values, or in a causal call of their own), fullgraph compile with both expert fan-outs, checkpointing.
     config: DualFlowConfig
-    config_class = DualFlowConfig
-    base_model_prefix = "model"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["DualFlowDecoderLayer"]
     _skip_keys_device_placement = ["past_key_values", "cache"]
-    # Every backend runs plain causal attention: aux rows at the primary positions as extra query heads over the same
-    # keys/values, other aux rows (prefill with logits_to_keep) in a second call, bottom-right causal.
-    _supports_sdpa = True
-    _supports_flash_attn = True
-    _supports_flex_attn = True
     # Serving engines' attention backends (vLLM / TGI through transformers) assume one query row per key row written
     # to their paged cache; the aux rows break that. The dualflow-transformers package brings its own vLLM model.
     _supports_attention_backend = False
-    # Both flows, both expert fan-outs and a static cache trace into one graph.
-    _can_compile_fullgraph = True
-    # transformers' recorders take the router logits over the stacked rows and each attention call's (primary, aux)
-    # weights; `DualFlowModel.forward` splits them per flow. Hidden states are recorded by the layer loop: each flow's
-    # rows must be tensors of the graph (`record_flows`), which rows cut from a hooked layer output are not.
+    # The recorders take the router logits over the stacked rows and each attention call's (primary, aux) weights
+    # (`split_recorded_flows` splits them). Hidden states are recorded by the layer loop: each flow's rows must be
+    # tensors of the graph (`record_flows`), which rows cut from a hooked layer output are not.
     _can_record_outputs = {
         "router_logits": OutputRecorder(DualFlowRouter, index=0),
         "attentions": OutputRecorder(DualFlowAttention, index=1),
@@ -340,9 +316,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
         row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
         if not at_every_position:
             kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
-            primary_mask = masks.primary[0]
             aux_mask = aux_rows_mask(
-                self.config, primary_mask, aux_positions, last_positions, num_primary, past_length, kv_length
+                self.config, masks.primary[0], aux_positions, last_positions, num_primary, past_length, kv_length
             )
             masks = DualFlowMasks(masks.primary, (*aux_mask, None))
         return hidden_states, row_positions, aux_positions, masks
@@ -478,10 +453,7 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def aux_parameter_names(self) -> list[str]:
-        """
-        Parameters that belong to the aux flow alone (every module named `aux_*`): its token embedding, the per-layer
-        couplings and, where the config has them, the round gates.
-        """
+        """Parameters of the aux flow alone (modules named `aux_*`): its embedding, couplings, round gates, adapters."""
         return [name for name, _ in self.named_parameters() if any(part.startswith("aux_") for part in name.split("."))]
 
     def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
@@ -556,9 +528,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         cache (`Cache`, *optional*):
             `past_key_values` under the name transformers uses from 5.24 on (either works).
         """
-        output_router_logits = (
-            output_router_logits if output_router_logits is not None else self.config.output_router_logits
-        )
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
         use_aux_flow = self.config.use_aux_flow if use_aux_flow is None else use_aux_flow
         if not isinstance(use_aux_flow, bool):  # a string such as "no" would count as True
             raise TypeError(f"use_aux_flow must be True or False, got {use_aux_flow!r}")
@@ -626,17 +597,14 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         )
 
     def _router_balance_loss(self, outputs, attention_mask, seq_len, keep_positions, aux_top_k):
-        """
-        The router balance loss (`aux_loss`): transformers' Switch-style loss of each flow over its own rows and top-k,
-        summed. Padding positions are left out, so left padding does not change it.
-        """
-        num_experts = self.config.num_experts
-        aux_top_k = self.config.aux_num_experts_per_tok if aux_top_k is None else aux_top_k
+        """`aux_loss`: transformers' Switch-style loss of each flow over its own rows and top-k, summed, padding left out."""
         # A 2-D mask covers past + new tokens; its last seq_len columns are this call's positions.
         two_dims = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
         mask = attention_mask[:, -seq_len:] if two_dims else None
+        num_experts = self.config.num_experts
         loss = load_balancing_loss_func(outputs.router_logits, num_experts, self.config.num_experts_per_tok, mask)
         if outputs.aux_router_logits is not None:
+            aux_top_k = aux_top_k or self.config.aux_num_experts_per_tok
             aux_mask = mask[:, keep_positions] if mask is not None else None
             loss = loss + load_balancing_loss_func(outputs.aux_router_logits, num_experts, aux_top_k, aux_mask)
         return loss
