@@ -1,6 +1,5 @@
 """Attention of a Dual-Flow layer: queries of both flows in one call against the keys/values of the primary rows."""
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -59,10 +58,9 @@ def aux_rows_mask(config, primary_mask, aux_positions, last_positions, num_prima
     gets its position's primary mask row, in the backend's form."""
     num_aux = aux_positions.shape[0]
     if isinstance(primary_mask, BlockMask):  # flex: the primary mask function, its query index mapped to positions
-        primary_mask_mod = primary_mask.mask_mod
 
         def aux_mask_mod(batch_idx, head_idx, q_idx, kv_idx):
-            return primary_mask_mod(batch_idx, head_idx, aux_positions[q_idx], kv_idx)
+            return primary_mask.mask_mod(batch_idx, head_idx, aux_positions[q_idx], kv_idx)
 
         batch_size, kv_length = primary_mask.kv_num_blocks.shape[0], primary_mask.seq_lengths[1]
         return create_block_mask(aux_mask_mod, batch_size, None, num_aux, kv_length, aux_positions.device), None
@@ -81,8 +79,7 @@ def aux_rows_mask(config, primary_mask, aux_positions, last_positions, num_prima
     # slots must stay masked.
     if last_positions and num_aux == 1 and kv_length == past_length + num_primary:
         return None, False  # the last position sees every key
-    query_positions = aux_positions + past_length
-    mask = torch.arange(kv_length, device=aux_positions.device)[None, :] <= query_positions[:, None]
+    mask = torch.arange(kv_length, device=aux_positions.device)[None, :] <= (aux_positions + past_length)[:, None]
     return mask[None, None], None
 
 
@@ -152,10 +149,9 @@ class DualFlowAttention(nn.Module):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, tuple, tuple[torch.Tensor, torch.Tensor]]:
         """
-        hidden_states: (batch, T + P, hidden), already normed. Given `primary_key_values` (an extra aux round), the rows
-        are aux rows only (num_primary = 0) and attend to those keys/values: nothing is projected or cached. Returns the
-        output, the (primary, aux) attention weights (None unless `output_attentions` and the backend gives them) and
-        the keys/values attended to.
+        hidden_states: (batch, T + P, hidden), normed. With `primary_key_values` (an extra aux round: aux rows only,
+        num_primary = 0) the rows attend to those, nothing is projected or cached. Returns the output, the (primary,
+        aux) attention weights (None unless `output_attentions` and the backend gives them), the keys/values used.
         """
         cos, sin = position_embeddings
         query_states = self._project(hidden_states, self.q_proj, self.q_norm, num_primary, self.aux_q_adapter)
@@ -169,7 +165,7 @@ class DualFlowAttention(nn.Module):
                 key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
         else:
             key_states, value_states = primary_key_values
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
 
@@ -189,18 +185,15 @@ class DualFlowAttention(nn.Module):
                 **kwargs,
             )
 
-        num_aux = hidden_states.shape[1] - num_primary
-        attn_weights = (None, None)
-        if num_aux == 0 or num_primary == 0:  # one flow's rows only
-            attn_output, weights = attend(
-                self, query_states, masks.primary if num_aux == 0 else (masks.aux or masks.primary)
-            )
-            attn_weights = (weights, None) if num_aux == 0 else (None, weights)
+        aux_masks, attn_weights = masks.aux or masks.primary, (None, None)
+        if num_primary in (0, hidden_states.shape[1]):  # one flow's rows only
+            attn_output, weights = attend(self, query_states, masks.primary if num_primary else aux_masks)
+            attn_weights = (weights, None) if num_primary else (None, weights)
         elif masks.aux is None and not output_attentions:
             attn_output = self._attend_as_query_heads(attend, query_states, num_primary, masks.primary)
         else:  # a call per flow; asked for weights, each flow's are then the tensors its output was computed from
             primary_output, primary_weights = attend(self, query_states[:, :, :num_primary], masks.primary)
-            aux_output, aux_weights = attend(self, query_states[:, :, num_primary:], (masks.aux or masks.primary))
+            aux_output, aux_weights = attend(self, query_states[:, :, num_primary:], aux_masks)
             attn_output = torch.cat([primary_output, aux_output], dim=1)
             attn_weights = (primary_weights, aux_weights)
         attn_output = attn_output.reshape(*hidden_states.shape[:-1], -1).contiguous()

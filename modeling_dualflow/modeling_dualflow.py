@@ -74,8 +74,7 @@ def route_two_top_k(
 class DualFlowRouter(Qwen3MoeTopKRouter):
     """Qwen3-MoE's router, shared by both flows: it scores every expert, `route_two_top_k` gives each flow its top-k."""
 
-    def forward(self, hidden_states):
-        """Router logits and probabilities over all experts, `(rows, num_experts)` each."""
+    def forward(self, hidden_states):  # (rows, hidden) -> logits and probabilities, (rows, num_experts) each
         router_logits = F.linear(hidden_states, self.weight)
         return router_logits, F.softmax(router_logits, dtype=torch.float, dim=-1)
 
@@ -177,10 +176,9 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """
         hidden_states: (batch, T + P, hidden), the T primary rows then the P aux rows; T = 0 in an extra aux round.
-        coupled_state: (batch, P, hidden), the primary state that entered this layer at the aux positions, which the
-            aux rows add through `aux_coupling`; None without aux rows.
-        primary_keys / primary_values: in an extra aux round, this layer's keys/values of the first round, attended to
-            instead of projecting new ones (positional, so that reentrant checkpointing gives them gradients).
+        coupled_state: (batch, P, hidden), the primary state entering this layer at the aux positions (None: no aux).
+        primary_keys / primary_values: in an extra aux round, the first round's keys/values of this layer, attended to
+            instead of new ones (positional, so that reentrant checkpointing gives them gradients).
         Returns the layer output and the keys/values its attention used.
         """
         extra_round = primary_keys is not None
@@ -244,10 +242,9 @@ class DualFlowPreTrainedModel(Qwen3MoePreTrainedModel):
 class DualFlowModel(DualFlowPreTrainedModel):
     def __init__(self, config: DualFlowConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.aux_embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.aux_embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(
             [DualFlowDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
@@ -290,18 +287,15 @@ class DualFlowModel(DualFlowPreTrainedModel):
         self.config.check_aux_settings(aux_top_k, num_rounds)
         if num_rounds > 1 and self.config.aux_num_rounds == 1:
             raise ValueError(
-                "aux_num_rounds > 1 needs a model built with aux_num_rounds > 1 (it holds the round gates); "
-                "(a converted model gets them from `dualflow convert --aux-rounds`)"
+                "aux_num_rounds > 1 needs a model built with aux_num_rounds > 1 (`dualflow convert --aux-rounds`)"
             )
         return aux_top_k, num_rounds
 
     def _stack_aux_rows(
         self, input_ids, inputs_embeds, aux_inputs_embeds, aux_positions, position_ids, masks, cache, past_length
     ):
-        """
-        The stacked rows `[primary; aux]`, their positions, the aux positions as indices, and the masks with the aux
-        rows' own where they sit elsewhere than at every primary position (then they attend in a call of their own).
-        """
+        """The rows `[primary; aux]`, their positions, the aux positions as indices, and the masks (the aux rows' own
+        where they are not at every primary position: they then attend in a call of their own)."""
         num_primary = inputs_embeds.shape[1]
         last_positions = not isinstance(aux_positions, torch.Tensor)
         aux_positions, at_every_position = positions_to_keep(aux_positions, num_primary, inputs_embeds.device)
@@ -423,10 +417,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
 
 
 def positions_to_keep(logits_to_keep: int | torch.Tensor, seq_len: int, device: torch.device):
-    """
-    The sequence indices `logits_to_keep` asks for (0 all, int k the last k, a tensor those indices), where both flows'
-    logits are taken and the aux flow runs; and whether they are every position in order.
-    """
+    """The indices `logits_to_keep` selects (0 all, int k the last k, a tensor those indices), where the aux flow
+    runs and both flows' logits are taken; and whether they are every position in order."""
     if isinstance(logits_to_keep, torch.Tensor):
         positions = logits_to_keep.to(device=device, dtype=torch.long).reshape(-1)
         positions = torch.where(positions < 0, positions + seq_len, positions)
@@ -466,9 +458,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         return embeddings
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        # The hook in-tree models override to choose their cache (t5gemma). A cache the user gives may come filled by
-        # another model (the base model's prefill): one of other shapes is refused. Where transformers builds its
-        # DynamicCache, the model takes that cache as a DualFlowCache, with every setting transformers gave it.
+        # The hook in-tree models (t5gemma) override to choose their cache. A given cache (the base model's prefill, say)
+        # of other shapes is refused; the DynamicCache transformers builds becomes a DualFlowCache, settings and all.
         given = next(
             (model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None), None
         )
@@ -522,9 +513,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             Passes of the aux flow through the layers for this call; defaults to `config.aux_num_rounds`. Values
             above 1 need a model built with `aux_num_rounds` > 1 (it holds the round gates).
         return_primary_logits (`bool`, *optional*, defaults to `True`):
-            Compute `primary_logits` when the aux flow runs (with `labels` they are always computed: the loss needs
-            them). `generate` passes `False` unless it is given `return_primary_logits=True`, so decoding does not pay
-            for an LM head over rows whose logits nobody reads.
+            Compute `primary_logits` when the aux flow runs (always with `labels`: the loss needs them). `generate`
+            passes `False` unless given `return_primary_logits=True`: decoding skips an LM head nobody reads.
         cache (`Cache`, *optional*):
             `past_key_values` under the name transformers uses from 5.24 on (either works).
         """

@@ -22,10 +22,8 @@ SELECTS_AMONG_ALL_STATES = hasattr(output_capturing, "resolve_hidden_states_indi
 
 
 def hidden_states_to_return(output_hidden_states, num_layers: int) -> tuple[set[int] | None, bool]:
-    """
-    The hidden states `output_hidden_states` asks for, as positions 0..num_layers (0: the input state, i: the output
-    of layer i - 1), None for none; and whether the returned tuple has an entry for the input state.
-    """
+    """The states `output_hidden_states` asks for as positions 0..num_layers (0: the input state, i: layer i - 1's
+    output), None for none; and whether the returned tuple has an entry for the input state."""
     num_states = num_layers + 1
     if SELECTS_AMONG_ALL_STATES and not isinstance(output_hidden_states, (bool, type(None))):
         indices = [output_hidden_states] if isinstance(output_hidden_states, int) else output_hidden_states
@@ -63,8 +61,8 @@ class DualFlowCausalLMOutputWithPast(MoeCausalLMOutputWithPast):
         Primary flow logits at the same positions; None where the aux flow ran with `return_primary_logits=False`
         (what `generate` passes unless asked for them).
     aux_loss (`torch.FloatTensor`, *optional*):
-        The router load-balancing loss (transformers' name for it): each flow's Switch-style loss over its own rows and
-        top-k, summed; padding positions are left out. Returned when `output_router_logits` is on (MoE models only).
+        The router load-balancing loss: each flow's Switch-style loss over its own rows and top-k, summed, padding left
+        out. Returned when `output_router_logits` is on (MoE models only).
     hidden_states, attentions, router_logits, aux_hidden_states, aux_attentions, aux_router_logits (*optional*):
         As in `DualFlowModelOutputWithPast`.
     """
@@ -105,9 +103,8 @@ def returned_hidden_states(recorded: list, selected: set[int] | None, input_stat
 
 def split_recorded_flows(forward):
     """
-    Decorates the base model's `forward` (outside `capture_outputs`): the recorders see both flows in each call,
-    attentions as (primary, aux) weights, router logits over the stacked rows `(batch * (T + P), num_experts)`; this
-    gives each flow its own. The first round's calls are the model's (extra aux rounds add more).
+    Wraps the base model's `forward` outside `capture_outputs`, whose recorders see both flows in each call (attentions
+    as (primary, aux) weights, router logits over the stacked rows): each flow gets its own, from the first round.
     """
 
     @wraps(forward)
