@@ -556,8 +556,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
             # CE(aux) + primary_loss_weight * CE(primary) with the aux flow on, CE(primary) with it off
             loss = self.loss_function(primary_logits, labels, self.vocab_size, **kwargs)
             if use_aux_flow:
-                aux_loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-                loss = aux_loss + self.config.primary_loss_weight * loss
+                aux_ce = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+                loss = aux_ce + self.config.primary_loss_weight * loss
         aux_loss = None
         if output_router_logits and outputs.router_logits:
             aux_loss = self._router_balance_loss(
