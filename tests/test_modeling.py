@@ -28,7 +28,7 @@ from transformers.testing_utils import CaptureLogger
 import modeling_dualflow
 from dualflow.aux_training import freeze_aux_flow, freeze_for_aux_training
 from dualflow.convert import init_aux_from_primary
-from dualflow.instruments.upcycle import qwen3_moe_config_of
+from dualflow.instruments.upcycle_models import qwen3_moe_config_of
 from modeling_dualflow import DualFlowCache, DualFlowConfig, DualFlowForCausalLM, configuration_dualflow
 from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowExperts, route_two_top_k
 

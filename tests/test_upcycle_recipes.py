@@ -12,13 +12,9 @@ import torch
 from dualflow.cli import main
 from dualflow.instruments.arms import DEFAULT_SCALE, QUICK_SCALE, flow_forward_flops
 from dualflow.instruments.tiny_lm import tiny_moe_config, torch_default_init, train_model
-from dualflow.instruments.upcycle import (
-    RECIPE_GROUPS,
-    RECIPES_BY_NAME,
-    base_length_trend,
-    depth_upscaled,
-    recipe_steps,
-)
+from dualflow.instruments.upcycle_models import depth_upscaled
+from dualflow.instruments.upcycle_recipes import RECIPE_GROUPS, RECIPES_BY_NAME, recipe_steps
+from dualflow.instruments.upcycle_summary import base_length_trend
 from modeling_dualflow import DualFlowForCausalLM
 
 
