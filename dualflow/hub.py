@@ -1,8 +1,8 @@
 """
 Share Dual-Flow checkpoints on the Hugging Face Hub (`dualflow push`).
 
-A shared model folder must load anywhere with `trust_remote_code=True`: config.json with `auto_map`, the three code
-files, the weights and a model card. `push_model` (the arguments of transformers' `push_to_hub`) writes all of that,
+A shared model folder must load anywhere with `trust_remote_code=True`: config.json with `auto_map`, the code files,
+the weights and a model card. `push_model` (the arguments of transformers' `push_to_hub`) writes all of that,
 the Dual-Flow card from `model_cards/` included, and uploads it in one commit; `dualflow push` checks and uploads a
 folder that is already written, and never changes it: the card it adds or points at the repo, and an adapter's base
 named by its Hub id, exist only in the upload, which names no local path. torch, transformers and huggingface_hub are
@@ -12,6 +12,7 @@ imported only when needed, so `dualflow push --help` is instant.
 import argparse
 import json
 import tempfile
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from .checkpoint import TOKENIZER_PATTERNS, WEIGHT_FILES, is_hub_repo_id
@@ -20,19 +21,9 @@ from .errors import DualFlowUserError
 
 AUTO_CLASSES = ("AutoConfig", "AutoModelForCausalLM")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-# What a model repository holds, matched against the folder's own files (not its subfolders): weights, config,
-# tokenizer, card, remote code, adapter files. Never pickles (optimizer.pt, training_args.bin), Trainer's
-# checkpoint-N folders or dotfiles (.env).
-PUBLISHED_PATTERNS = (
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "config.json",
-    "adapter_config.json",
-    "README.md",
-    "LICENSE*",
-    "*.py",
-    *TOKENIZER_PATTERNS,
-)
+# What any repository shares beside the model or adapter files: the card, a license, the tokenizer, chat template and
+# generation defaults.
+SHARED_PATTERNS = ("README.md", "LICENSE*", *TOKENIZER_PATTERNS)
 
 
 def check_upload_folder(folder) -> str:
@@ -76,21 +67,94 @@ def check_upload_folder(folder) -> str:
         raise DualFlowUserError(
             f"{folder} lacks the code files {', '.join(missing)}: save the model with save_pretrained"
         )
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise DualFlowUserError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)})")
-    index_path = folder / "model.safetensors.index.json"
-    if index_path.is_file():
-        try:
-            shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
-            raise DualFlowUserError(f"{index_path} is not a valid safetensors index: {error!r}") from None
-        missing = [name for name in shards if not (folder / name).is_file()]
-        if missing:
-            raise DualFlowUserError(f"{folder} lacks weight shards listed in its index: {', '.join(missing)}")
-        _check_weights(folder, shards)
-    else:
-        _check_weights(folder, ["model.safetensors"])
+    weights = model_weight_files(folder)
+    missing = [name for name in weights if not (folder / name).is_file()]
+    if missing:
+        raise DualFlowUserError(f"{folder} lacks weight shards listed in its index: {', '.join(missing)}")
+    _check_weights(folder, [name for name in weights if name.endswith(".safetensors")])
     return "model"
+
+
+def model_weight_files(folder: Path) -> list[str]:
+    """The weight files the model loads from: model.safetensors, or the index and exactly the shards it lists."""
+    index_path = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file():
+        if index_path.is_file():  # transformers loads model.safetensors: the two may hold different weights
+            raise DualFlowUserError(
+                f"{folder} holds both model.safetensors and model.safetensors.index.json: remove the stale one"
+            )
+        return ["model.safetensors"]
+    if not index_path.is_file():
+        raise DualFlowUserError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)})")
+    try:
+        shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise DualFlowUserError(f"{index_path} is not a valid safetensors index: {error!r}") from None
+    return [index_path.name, *shards]
+
+
+def remote_code_files(folder: Path) -> list[str]:
+    """
+    The code files the model loads with, as save_pretrained copies them (transformers' `custom_object_save`): the
+    modules config.json's `auto_map` names ("modeling_dualflow.DualFlowForCausalLM" -> modeling_dualflow.py) and the
+    files they import relatively, recursively.
+    """
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
+    # A tokenizer's entry is a [slow, fast] pair, either may be null; "org/repo--module.Class" is another repo's code
+    references = [item for value in auto_map.values() for item in (value if isinstance(value, list) else [value])]
+    modules = {reference.split(".")[0] for reference in references if reference and "--" not in reference}
+    files = set()
+    for module in modules:
+        try:
+            imported = get_relative_import_files(folder / f"{module}.py")
+        except FileNotFoundError as error:
+            raise DualFlowUserError(
+                f"{folder} lacks {Path(error.filename).name}, which the model's code (config.json auto_map) needs"
+            ) from None
+        files |= {f"{module}.py", *(Path(path).name for path in imported)}
+    return sorted(files)
+
+
+def split_folder(folder, kind: str) -> tuple[list[str], dict[str, str]]:
+    """
+    The folder's files a push uploads, and why each other entry stays local. Uploaded is exactly what save_pretrained,
+    the tokenizer, the card and PEFT write (the weights the model loads, the code files `auto_map` needs, tokenizer
+    files, card, license), never a stale or private file that happens to sit beside the model.
+    """
+    folder = Path(folder)
+    if kind == "model":
+        weights = model_weight_files(folder)
+        own = {"config.json", *weights, *remote_code_files(folder)}
+        sharded = weights != ["model.safetensors"]
+        other_weights = "weights not named by the index" if sharded else "not the model's weight file"
+        other_code, other_file = "Python file not named by auto_map", "not a model-repository file"
+    else:
+        own = set(ADAPTER_FILES)
+        other_weights = "not the adapter's weight file"
+        other_code, other_file = "Python file (an adapter repository holds no code)", "not an adapter-repository file"
+    published, local = [], {}
+    for path in sorted(folder.iterdir()):
+        name = path.name
+        if name.startswith("."):
+            local[name + "/" * path.is_dir()] = "hidden folder" if path.is_dir() else "hidden file"
+        elif path.is_dir():
+            checkpoint = name.removeprefix("checkpoint-").isdigit()
+            local[name + "/"] = "Trainer checkpoint folder" if checkpoint else "subfolder"
+        elif not path.is_file():
+            local[name] = "not a file"
+        elif name in own:
+            published.append(name)
+        elif name.endswith(".py"):
+            local[name] = other_code
+        elif name.endswith(".safetensors"):
+            local[name] = other_weights
+        elif any(fnmatchcase(name, pattern) for pattern in SHARED_PATTERNS):
+            published.append(name)
+        else:
+            local[name] = other_file
+    return published, local
 
 
 def _check_weights(folder: Path, names):
@@ -173,35 +237,34 @@ def check_repo_id(repo_id: str) -> None:
         raise DualFlowUserError(f"{repo_id!r} is not a Hub repo id (like your-name/model-dualflow): {error}") from None
 
 
-def upload_contents(folder, repo_id: str, base_model_id: str | None = None) -> tuple[str, dict[str, Path | bytes]]:
+def upload_contents(
+    folder, repo_id: str, base_model_id: str | None = None
+) -> tuple[str, dict[str, Path | bytes], dict[str, str]]:
     """
-    The folder's kind ("model" or "adapter") and what `push_folder` uploads, by path in the repo: the folder's files that a model repository holds
-    (PUBLISHED_PATTERNS), with `published_files` in place of their own. Checks the folder and the repo id first.
+    The folder's kind ("model" or "adapter"), what `push_folder` uploads by path in the repo (the files `split_folder`
+    picks, with `published_files` in place of their own), and why each other entry of the folder stays local. Checks
+    the folder and the repo id first.
     """
-    from huggingface_hub.utils import filter_repo_objects
-
     folder = Path(folder)
     kind = check_upload_folder(folder)
     check_repo_id(repo_id)
     published = published_files(folder, repo_id, kind, base_model_id)
-    files = {path.name: path for path in folder.iterdir() if path.is_file() and not path.name.startswith(".")}
-    contents = {name: files[name] for name in filter_repo_objects(files, allow_patterns=PUBLISHED_PATTERNS)}
-    return kind, dict(sorted((contents | published).items()))
+    names, local = split_folder(folder, kind)
+    contents = {name: folder / name for name in names} | published
+    return kind, dict(sorted(contents.items())), local
 
 
-def dry_run_listing(folder, contents: dict[str, Path | bytes]) -> str:
-    """`dualflow push --dry-run`'s report: each file that would go up with its size, and what stays local."""
+def dry_run_listing(contents: dict[str, Path | bytes], local: dict[str, str]) -> str:
+    """`dualflow push --dry-run`'s report: each file that would go up with its size, and what stays local and why."""
     sizes = {
         name: len(content) if isinstance(content, bytes) else content.stat().st_size
         for name, content in contents.items()
     }
     lines = [f"{size:>14,}  {name}" for name, size in sizes.items()]
     lines.append(f"{sum(sizes.values()):>14,}  bytes in {len(sizes)} files would be uploaded")
-    left = sorted(
-        path.name + ("/" if path.is_dir() else "") for path in Path(folder).iterdir() if path.name not in sizes
-    )
-    if left:
-        lines.append(f"not uploaded: {', '.join(left)}")
+    if local:
+        lines.append("stays local:")
+        lines += [f"  {name}: {reason}" for name, reason in local.items()]
     return "\n".join(lines)
 
 
@@ -223,7 +286,7 @@ def push_folder(
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    kind, contents = upload_contents(folder, repo_id, base_model_id)
+    kind, contents, _ = upload_contents(folder, repo_id, base_model_id)
     operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in contents.items()]
     api = HfApi(token=hub_token(token))
     try:  # offline, no network or a refused token fail at the first call
@@ -330,8 +393,8 @@ def build_parser(prog: str = "dualflow push") -> argparse.ArgumentParser:
 def run(args) -> int:
     if args.dry_run:
         print(f"dry run: nothing uploaded to {args.repo_id}")
-        _, contents = upload_contents(args.folder, args.repo_id, args.base_model_id)
-        print(dry_run_listing(args.folder, contents))
+        _, contents, local = upload_contents(args.folder, args.repo_id, args.base_model_id)
+        print(dry_run_listing(contents, local))
         return 0
     url = push_folder(
         args.folder,

@@ -434,6 +434,17 @@ def test_convert_revision_and_token_reach_the_hub(fake_hub, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def dry_run(capsys, folder, repo_id, *options) -> tuple[dict[str, int], dict[str, str]]:
+    """`dualflow push --dry-run`: the files that would go up with their sizes, and why each other entry stays local."""
+    assert cli_main(["push", str(folder), repo_id, "--dry-run", *options]) == 0, capsys.readouterr().err
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"dry run: nothing uploaded to {repo_id}"
+    total = next(index for index, line in enumerate(lines) if line.endswith("files would be uploaded"))
+    listed = {line.split()[1]: int(line.split()[0].replace(",", "")) for line in lines[1:total]}
+    assert lines[total + 1 : total + 2] in ([], ["stays local:"])
+    return listed, dict(line.strip().split(": ", 1) for line in lines[total + 2 :])
+
+
 def test_push_dry_run_lists_what_a_model_repo_holds_and_nothing_private(upload_folder, capsys):
     _, folder = upload_folder
     # What a fine-tune leaves beside the model: Trainer checkpoints (pickles holding local paths), dotfiles, pickles.
@@ -445,18 +456,93 @@ def test_push_dry_run_lists_what_a_model_repo_holds_and_nothing_private(upload_f
     (folder / ".cache").mkdir()
     (folder / "training_args.bin").write_bytes(b"pickle")
     (folder / "notes.pkl").write_bytes(b"pickle")
-    assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--dry-run"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == "dry run: nothing uploaded to someone/tiny-dualflow"
-    listed = {line.split()[1]: int(line.split()[0].replace(",", "")) for line in lines[1:-2]}
-    expected = {"README.md", "config.json", "model.safetensors", "tokenizer_config.json"}
-    expected |= {"attention_dualflow.py", "cache_dualflow.py", "configuration_dualflow.py", "modeling_dualflow.py"}
-    expected |= {"outputs_dualflow.py"}
+    listed, local = dry_run(capsys, folder, "someone/tiny-dualflow")
+    expected = {"README.md", "config.json", "model.safetensors", "tokenizer_config.json", *REMOTE_CODE_FILES}
     assert expected <= set(listed) and not {name for name in listed if name.endswith((".bin", ".pkl", ".pt"))}
     assert not {name for name in listed if name.startswith(".") or "/" in name}
     assert listed["model.safetensors"] == (folder / "model.safetensors").stat().st_size
-    assert lines[-1] == "not uploaded: .cache/, .env, checkpoint-2/, notes.pkl, training_args.bin"
+    assert local == {
+        ".cache/": "hidden folder",
+        ".env": "hidden file",
+        "checkpoint-2/": "Trainer checkpoint folder",
+        "notes.pkl": "not a model-repository file",
+        "training_args.bin": "not a model-repository file",
+    }
     # A folder a run is still writing (or that was killed) is not published.
     (folder / UNFINISHED_MARKER).write_text("{}")
     assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--dry-run"]) == 2
     assert "holds an unfinished run" in capsys.readouterr().err
+
+
+def test_push_uploads_only_what_save_pretrained_wrote(upload_folder, fake_hub, capsys):
+    # Python and safetensors files beside a saved model are not the model's: a secret, a training script, stale weights.
+    _, folder = upload_folder
+    saved = folder_bytes(folder)
+    assert {"config.json", "model.safetensors", "README.md", "tokenizer_config.json", *REMOTE_CODE_FILES} <= set(saved)
+    (folder / "_private_keys.py").write_text('HF_TOKEN = "hf_secret"\n')
+    (folder / "train.py").write_text("from modeling_dualflow import DualFlowForCausalLM\n")
+    (folder / "backup-2026.safetensors").write_bytes(b"not even safetensors")
+    (folder / "model-old.safetensors").write_bytes(saved["model.safetensors"])
+    (folder / "notes.md").write_text("run 3: lr 1e-4\n")
+    listed, local = dry_run(capsys, folder, "someone/tiny-dualflow")
+    assert set(listed) == set(saved)
+    assert local == {
+        "_private_keys.py": "Python file not named by auto_map",
+        "backup-2026.safetensors": "not the model's weight file",
+        "model-old.safetensors": "not the model's weight file",
+        "notes.md": "not a model-repository file",
+        "train.py": "Python file not named by auto_map",
+    }
+    assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--token", "hf_test"]) == 0, capsys.readouterr().err
+    uploaded = fake_hub.committed_files()
+    assert set(uploaded) == set(saved) and not [name for name, data in uploaded.items() if b"hf_secret" in data]
+
+
+def test_push_of_a_sharded_model_uploads_exactly_the_index_shards(tmp_path, fake_hub, capsys):
+    folder = prepare_upload_folder(tiny_model(vocab_size=384), tmp_path / "upload", max_shard_size="100KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1
+    saved = set(folder_bytes(folder))
+    # A shard of an earlier save with other sizes, and a renamed whole checkpoint: both valid safetensors.
+    (folder / "model-00001-of-00009.safetensors").write_bytes((folder / min(shards)).read_bytes())
+    (folder / "model-old.safetensors").write_bytes((folder / min(shards)).read_bytes())
+    listed, local = dry_run(capsys, folder, "someone/tiny-dualflow")
+    assert {name for name in listed if name.endswith(".safetensors")} == shards and set(listed) == saved
+    assert local == {
+        "model-00001-of-00009.safetensors": "weights not named by the index",
+        "model-old.safetensors": "weights not named by the index",
+    }
+    assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--token", "hf_test"]) == 0, capsys.readouterr().err
+    assert set(fake_hub.committed_files()) == saved
+    # transformers would load model.safetensors and ignore the index: which one is stale is the user's call.
+    (folder / "model-old.safetensors").rename(folder / "model.safetensors")
+    assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        f"dualflow push: error: {folder} holds both model.safetensors and model.safetensors.index.json: "
+        "remove the stale one\n"
+    )
+
+
+def test_push_of_an_adapter_uploads_only_adapter_files_card_and_tokenizer(adapter_folder, fake_hub, tmp_path, capsys):
+    ByT5Tokenizer().save_pretrained(adapter_folder)
+    saved = set(folder_bytes(adapter_folder))
+    assert saved == {"README.md", "adapter_config.json", "adapter_model.safetensors", "added_tokens.json"} | {
+        "tokenizer_config.json"
+    }
+    # The base model's files do not belong in an adapter repository, even when copied beside the adapter.
+    for name in ("config.json", "model.safetensors", "modeling_dualflow.py"):
+        (adapter_folder / name).write_bytes((tmp_path / "base" / name).read_bytes())
+    (adapter_folder / "train.py").write_text("print('training')\n")
+    options = ["--base-model-id", "someone/tiny"]
+    listed, local = dry_run(capsys, adapter_folder, "someone/tiny-lora", *options)
+    assert set(listed) == saved
+    assert local == {
+        "config.json": "not an adapter-repository file",
+        "model.safetensors": "not the adapter's weight file",
+        "modeling_dualflow.py": "Python file (an adapter repository holds no code)",
+        "train.py": "Python file (an adapter repository holds no code)",
+    }
+    command = ["push", str(adapter_folder), "someone/tiny-lora", "--token", "hf_test", *options]
+    assert cli_main(command) == 0, capsys.readouterr().err
+    assert set(fake_hub.committed_files()) == saved
