@@ -123,6 +123,30 @@ def _check_tied_embeddings(source: SourceCheckpoint, config: DualFlowConfig) -> 
     return {LM_HEAD}
 
 
+# The config.json fields tensor shapes follow; transformers fills in a default for a missing one.
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_local_experts",
+    "num_experts",
+)
+
+
+def _missing_size_fields(source: SourceCheckpoint) -> str:
+    """For a shape error: the size fields config.json lacks, whose defaults made the expected shape."""
+    parsed = source.parse_config()
+    missing = [name for name in SIZE_FIELDS if name not in source.config_dict and hasattr(parsed, name)]
+    if not missing:
+        return ""
+    defaults = ", ".join(f"{name}={getattr(parsed, name)}" for name in missing)
+    return f", which has no {' / '.join(missing)} (transformers' defaults used: {defaults})"
+
+
 def plan_targets(
     source: SourceCheckpoint, family: Family, config: DualFlowConfig, dtype: torch.dtype | None
 ) -> list[TargetTensor]:
@@ -144,6 +168,7 @@ def plan_targets(
             if found != piece.shape:
                 raise DualFlowUserError(
                     f"{piece.key} has shape {list(found)}, expected {list(piece.shape)} from config.json"
+                    f"{_missing_size_fields(source)}"
                 )
             consumed.add(piece.key)
         first_key = pieces[0].key

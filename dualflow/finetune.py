@@ -8,17 +8,20 @@ a .jsonl file (one {"text": ...} document per line) or a folder of them, tokeniz
 and packed into fixed-size blocks. The command line is `dualflow.finetune_cli`.
 """
 
+import errno
 import json
 import math
 import os
+import shutil
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
 
@@ -33,8 +36,10 @@ from .output_folder import (
     OutputFolder,
     cannot_write,
     file_system_error,
+    foreign_entries,
     output_folder,
     remove,
+    written_by_run,
 )
 from .scoring import mean_token_nlls
 
@@ -136,16 +141,30 @@ def as_examples(blocks: torch.Tensor) -> list[dict]:
     return [{"input_ids": block, "labels": block} for block in blocks]
 
 
-# This package's choices where TrainingArguments' own defaults differ; any field can be overridden.
+# This package's choices where TrainingArguments' own defaults differ; any field can be overridden. Checkpoints are
+# saved as Trainer saves them, so that a stopped run can be resumed; `save_steps` None: every tenth of the run, at
+# most every 500 steps (Trainer's own interval), so that short runs save too; the newest two are kept.
 TRAINER_DEFAULTS = {
     "learning_rate": 1e-4,
     "num_train_epochs": 1.0,
     "per_device_train_batch_size": 8,
     "per_device_eval_batch_size": 8,
     "seed": 0,
-    "save_strategy": "no",
+    "save_strategy": "steps",
+    "save_steps": None,
+    "save_total_limit": 2,
     "report_to": "none",
 }
+# Trainer's own interval between checkpoints, the most `save_steps` None waits.
+LONGEST_SAVE_INTERVAL = 500
+
+
+def planned_steps(num_blocks: int, arguments: dict) -> int:
+    """The optimizer steps a run over `num_blocks` training blocks makes on one process (Trainer's count)."""
+    if arguments.get("max_steps", -1) > 0:
+        return arguments["max_steps"]
+    batches = math.ceil(num_blocks / arguments["per_device_train_batch_size"])
+    return math.ceil(batches / arguments.get("gradient_accumulation_steps", 1) * arguments["num_train_epochs"])
 
 
 def make_trainer(
@@ -154,16 +173,22 @@ def make_trainer(
     eval_blocks: torch.Tensor | None,
     output_dir,
     batch_size: int | None = None,
+    tokenizer=None,
     **training_arguments,
 ) -> Trainer:
     """
     A plain `transformers.Trainer` over packed blocks. `training_arguments` are `TrainingArguments` fields, on top of
-    TRAINER_DEFAULTS; `batch_size` sets the train and eval batch per device.
+    TRAINER_DEFAULTS; `batch_size` sets the train and eval batch per device. `tokenizer` is saved into every
+    checkpoint (as Trainer saves its `processing_class`), so that a checkpoint is a model folder to fine-tune from.
     """
     arguments = dict(TRAINER_DEFAULTS)
     if batch_size is not None:
         arguments.update(per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size)
     arguments.update(training_arguments)
+    if arguments["save_steps"] is None:
+        arguments["save_steps"] = min(
+            LONGEST_SAVE_INTERVAL, math.ceil(planned_steps(len(train_blocks), arguments) / 10)
+        )
     if not torch.cuda.is_available():
         arguments["dataloader_pin_memory"] = False  # nothing to pin for without a GPU (torch warns on every batch)
         if arguments.get("bf16"):
@@ -173,6 +198,8 @@ def make_trainer(
         args=TrainingArguments(output_dir=str(output_dir), **arguments),
         train_dataset=as_examples(train_blocks),
         eval_dataset=as_examples(eval_blocks) if eval_blocks is not None else None,
+        processing_class=tokenizer,
+        data_collator=default_data_collator,  # the blocks have one length: no padding (Trainer's choice for a tokenizer)
     )
 
 
@@ -273,25 +300,39 @@ def complete_checkpoints(folder: Path) -> list[Path]:
     return sorted(found, key=_step)
 
 
-def _resume_advice(folder: OutputFolder, first_bad: int | None = None) -> str:
+@dataclass
+class RunState:
+    """What the failure message of a run needs to know of it: the mode, and the disk it needs to go on."""
+
+    lora: bool = False
+    saves_checkpoints: bool = True
+    bytes_to_go_on: Callable[[], int] | None = None  # disk the run writes when resumed from its last checkpoint
+
+
+def _resume_advice(folder: OutputFolder, run: RunState, first_bad: int | None = None, full: bool = False) -> str:
     """
-    Where the checkpoints are and how to go on: rerun the same command (it resumes from the last one), or after
-    training diverged, from the last checkpoint before `first_bad` (the first step whose saved weights diverged) with a
-    lower learning rate.
+    Where the checkpoints are and how to go on: rerun the same command (it resumes from the last one; after a `full`
+    disk, once enough space is free), or after training diverged at `first_bad` (the first step whose saved weights
+    diverged), fine-tune the last checkpoint before it with a lower learning rate into another folder: resuming would
+    restore the optimizer's and scheduler's learning rate, which diverged.
     """
     checkpoints = complete_checkpoints(folder.path)
     advice = f"checkpoints kept in {folder.shown} (last: {checkpoints[-1].name})"
     if first_bad is None:
-        return f"{advice}; rerun the same command to go on from the last one"
+        free_first = ""
+        if full and run.bytes_to_go_on is not None:
+            missing = run.bytes_to_go_on() - shutil.disk_usage(folder.path).free
+            free_first = f"free at least {max(missing, 0) / 2**20:.1f} MiB on its disk, then " if missing > 0 else ""
+        return f"{advice}; {free_first}rerun the same command to go on from the last one"
     if any(_step(checkpoint) >= first_bad for checkpoint in checkpoints):
         advice += f" (those from checkpoint-{first_bad} on hold the weights that diverged)"
     earlier = [checkpoint for checkpoint in checkpoints if _step(checkpoint) < first_bad]
-    if earlier:
-        advice += (
-            f"; to go on, rerun with a lower --learning-rate and --resume-from-checkpoint "
-            f"{folder.shown / earlier[-1].name}"
+    if earlier and not run.lora:  # a LoRA checkpoint holds the adapter alone: no model to start from
+        return (
+            f"{advice}; to go on, rerun the same command with {folder.shown / earlier[-1].name} as the model, a "
+            "lower --learning-rate and another --output-dir"
         )
-    return advice
+    return f"{advice}; rerun the same command with a lower --learning-rate and another --output-dir"
 
 
 class TrainingDiverged(DualFlowUserError):
@@ -308,30 +349,37 @@ class TrainingDiverged(DualFlowUserError):
 
 
 @contextmanager
-def checkpoints_kept_on_failure(folder: OutputFolder):
+def checkpoints_kept_on_failure(folder: OutputFolder, run: RunState):
     """
     Whatever ends the block early (an error, a full disk, Ctrl-C, SIGTERM, SIGHUP) leaves the complete checkpoints in
-    OUT (`output_folder` removes the rest) and says so in the one line the CLI prints: a DualFlowInterrupted for an
-    interruption, a DualFlowUserError for the user's file system or mistake; another error (a bug) keeps its
-    traceback after a line naming the checkpoints.
+    OUT (`output_folder` removes the rest of what the run wrote) and says so in the one line the CLI prints: a
+    DualFlowInterrupted for an interruption, a DualFlowUserError for the user's file system or mistake; another error
+    (a bug) keeps its traceback after a line naming the checkpoints. An interruption of a run that saves no
+    checkpoints says so.
     """
     try:
         yield
     except KeyboardInterrupt:
-        if not complete_checkpoints(folder.path):
-            raise
-        raise DualFlowInterrupted(_resume_advice(folder)) from None
+        if complete_checkpoints(folder.path):
+            raise DualFlowInterrupted(_resume_advice(folder, run)) from None
+        if not run.saves_checkpoints:
+            raise DualFlowInterrupted(
+                "no checkpoint was kept (--save-strategy no): pass --save-strategy steps --save-steps N to keep "
+                "one every N steps"
+            ) from None
+        raise
     except Exception as error:
         write_error = file_system_error(error, folder.path)
         kept = bool(complete_checkpoints(folder.path))
         first_bad = error.first_bad if isinstance(error, TrainingDiverged) else None
-        advice = f"; {_resume_advice(folder, first_bad)}" if kept else ""
+        full = write_error is not None and write_error.errno in (errno.ENOSPC, errno.EDQUOT)
+        advice = f"; {_resume_advice(folder, run, first_bad, full)}" if kept else ""
         if write_error is not None:
             raise DualFlowUserError(f"{cannot_write(folder.shown, write_error)}{advice}") from None
         if isinstance(error, DualFlowUserError):
             raise DualFlowUserError(f"{error}{advice}") from None
         if kept:
-            print(f"dualflow finetune: {_resume_advice(folder)}", file=sys.stderr)
+            print(f"dualflow finetune: {_resume_advice(folder, run)}", file=sys.stderr)
         raise
 
 
@@ -342,6 +390,8 @@ def _checkpoint_to_resume(folder: OutputFolder, resume) -> Path | None:
     elsewhere only starts a run in an empty OUT.
     """
     found = complete_checkpoints(folder.path) if folder.resumed else []
+    if resume is not None:
+        print(f"resuming from {resume}")
     if resume is None:
         if found:
             print(f"resuming the unfinished run in {folder.shown} from its last checkpoint, {found[-1].name}")
@@ -365,17 +415,49 @@ def _checkpoint_to_resume(folder: OutputFolder, resume) -> Path | None:
     return resume
 
 
-def _leftovers(folder: OutputFolder, keep: list[Path]) -> list[Path]:
-    """What an unfinished run left in OUT besides its complete checkpoints and marker (half-saved files)."""
-    return [entry for entry in folder.path.iterdir() if entry not in keep and entry.name != UNFINISHED_MARKER]
+def _remove_leftovers(folder: OutputFolder) -> None:
+    """
+    Remove what an unfinished run wrote besides its complete checkpoints and marker (half-saved checkpoints and final
+    files); what else is in OUT is the user's (notes, plots made from the kept checkpoints): it stays, and is named.
+    """
+    keep = complete_checkpoints(folder.path)
+    for entry in folder.path.iterdir():
+        if entry not in keep and entry.name != UNFINISHED_MARKER and written_by_run(entry, "finetune"):
+            remove(entry)
+    foreign = foreign_entries(folder.path, "finetune")
+    if foreign:
+        print(f"left as they are in {folder.shown}: {', '.join(entry.name for entry in foreign)}")
 
 
-def _needed_bytes(model, lora: bool, saves_checkpoints: bool) -> int:
-    """Disk the run writes at most at once: the final weights, and a checkpoint (weights + Adam's two moments)."""
+def _saved_bytes(model, lora: bool) -> tuple[int, int]:
+    """Bytes of the saved weights and of one checkpoint (the weights and Adam's two moments of the trainable ones)."""
     parameters = list(model.parameters())
     trainable = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
-    saved = trainable if lora else sum(p.numel() * p.element_size() for p in parameters)
-    return saved + (saved + 2 * trainable if saves_checkpoints else 0)
+    weights = trainable if lora else sum(p.numel() * p.element_size() for p in parameters)
+    return weights, weights + 2 * trainable
+
+
+def _bytes_to_write(model, lora: bool, trainer: Trainer, num_blocks: int, folder: OutputFolder) -> int:
+    """
+    Disk a run writes at most from its last complete checkpoint on: the final weights and the checkpoints OUT holds
+    at once (with `save_total_limit` L, Trainer saves a checkpoint before it removes the oldest: L + 1, counting those
+    already there).
+    """
+    args = trainer.args
+    weights, checkpoint = _saved_bytes(model, lora)
+    existing = complete_checkpoints(folder.path)
+    if existing:  # a checkpoint also holds Trainer's state, the scheduler, the tokenizer: measure one
+        checkpoint = max(checkpoint, sum(file.stat().st_size for file in existing[-1].rglob("*") if file.is_file()))
+    start = _step(existing[-1]) if existing else 0
+    total = planned_steps(num_blocks, args.to_dict())
+    if args.save_strategy == "steps":
+        interval = math.ceil(total * args.save_steps) if args.save_steps < 1 else int(args.save_steps)
+        saves = total // interval - start // interval
+    else:  # "epoch" or "best": at most one a epoch
+        saves = 0 if args.save_strategy == "no" else math.ceil(args.num_train_epochs)
+    if args.save_total_limit is not None:
+        saves = min(saves, max(0, args.save_total_limit + 1 - len(existing)))
+    return weights + saves * checkpoint
 
 
 def _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments):
@@ -440,10 +522,10 @@ def finetune(
     block_size = min(block_size, config.max_position_embeddings)
     # OUT is made and locked at once: an output that cannot be written fails before tokenizing and training.
     with output_folder(output_dir, "finetune", resume=True, keep=complete_checkpoints) as folder:
-        with checkpoints_kept_on_failure(folder):
+        run = RunState(lora=lora, saves_checkpoints=training_arguments.get("save_strategy", "steps") != "no")
+        with checkpoints_kept_on_failure(folder, run):
             resume = _checkpoint_to_resume(folder, resume)
-            for leftover in _leftovers(folder, complete_checkpoints(folder.path)):
-                remove(leftover)
+            _remove_leftovers(folder)
             blocks = pack_blocks(texts, tokenizer, block_size, progress=True)
             if int(blocks.max()) >= config.vocab_size:
                 raise DualFlowUserError(
@@ -476,18 +558,27 @@ def finetune(
             trainable = model.num_parameters(only_trainable=True)
             print(f"trainable parameters: {trainable:,}")
 
-            trainer = make_trainer(model, train_blocks, eval_blocks, folder.path, **training_arguments)
-            saves_checkpoints = trainer.args.save_strategy != "no"
-            folder.check_free_space(_needed_bytes(model, lora, saves_checkpoints), "this run")
+            trainer = make_trainer(
+                model, train_blocks, eval_blocks, folder.path, tokenizer=tokenizer, **training_arguments
+            )
+            run.bytes_to_go_on = lambda: _bytes_to_write(model, lora, trainer, len(train_blocks), folder)
+            folder.check_free_space(run.bytes_to_go_on(), "this run")
             eval_batch = trainer.args.per_device_eval_batch_size
             before = after = None
             if len(measured):
                 before = flow_nll(trainer.model, measured, eval_batch, progress=True)
-                print(f"eval NLL per token (nats) before: {_format_nll(before)}")
+                of_what = f" (the model {model_path}, before step 1)" if resume is not None else ""
+                print(f"eval NLL per token (nats) before{of_what}: {_format_nll(before)}")
             print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
             divergence = StopOnNonFiniteLoss()
             trainer.add_callback(divergence)
-            trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+            total_steps = planned_steps(len(train_blocks), trainer.args.to_dict())
+            if resume is not None and _step(resume) >= total_steps:
+                # The run was stopped after its last step: Trainer, resumed there, would make one step more.
+                print(f"{resume.name} is the run's last step ({total_steps}): its weights are the result")
+                trainer._load_from_checkpoint(str(resume))
+            else:
+                trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
             if divergence.diverged_at is not None:
                 raise TrainingDiverged(divergence.diverged_at)
             if not all(parameter.isfinite().all() for parameter in model.parameters()):
@@ -511,11 +602,13 @@ def finetune(
                 training += f": eval NLL per token (nats) before: {_format_nll(before)}; after: {_format_nll(after)}"
             training += "."
 
+            # The card names OUT as the user named it (a symbolic link, not its target).
+            repo_id = Path(os.path.abspath(folder.shown)).name
             if lora:
-                write_adapter_card(folder.path, config, str(source), repo_id=folder.path.name, extra=training)
+                write_adapter_card(folder.path, config, str(source), repo_id=repo_id, extra=training)
             else:
                 write_model_card(
-                    folder.path, model.config, repo_id=folder.path.name, license=license_of(model_path), extra=training
+                    folder.path, model.config, repo_id=repo_id, license=license_of(model_path), extra=training
                 )
             tokenizer.save_pretrained(folder.path)
     print(f"saved {'adapter' if lora else 'model'} to {output_dir}")

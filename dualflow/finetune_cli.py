@@ -179,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             training[name] = value
     suffix = "lora" if options["lora"] else "finetuned"
-    output_dir = options.pop("output_dir") or f"{Path(model).name}-{suffix}"
+    # `dualflow finetune .` names the output after the model folder, not after "."
+    model_name = Path(model).resolve().name if Path(model).is_dir() else Path(model).name
+    output_dir = options.pop("output_dir") or f"{model_name}-{suffix}"
     finetune(model, options.pop("data"), output_dir, **options, **training)
     return 0

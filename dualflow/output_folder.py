@@ -7,11 +7,14 @@ While a run writes, OUT holds a visible marker, `dualflow-unfinished.json`, remo
 that still has it was stopped (SIGKILL, power loss) before it was complete, and the next run into it says so or
 resumes it. The run holds a lock on OUT, so a second run writing the same folder fails at once. When a run fails,
 what it wrote is removed except what the caller keeps (finetune: its complete checkpoints); a folder the run created
-and left empty is removed with the parent folders it created.
+and left empty is removed with the parent folders it created. A run only ever removes names a run of its command
+writes (RUN_OUTPUTS): a file the user put into OUT (notes, plots made from kept checkpoints) stays, as it does with
+transformers' Trainer.
 """
 
 import errno
 import fcntl
+import fnmatch
 import json
 import os
 import re
@@ -21,10 +24,27 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from .checkpoint import TOKENIZER_PATTERNS
 from .errors import DualFlowUserError, terminating_signals_as_interrupt
 
 
 UNFINISHED_MARKER = "dualflow-unfinished.json"
+WRITE_PROBE = ".write-probe"
+# What `save_pretrained` writes for a Dual-Flow model (weights, config, remote code), its card and its tokenizer.
+MODEL_FOLDER_PATTERNS = (
+    "config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "*_dualflow.py",
+    "README.md",
+    *TOKENIZER_PATTERNS,
+)
+# The names a run of each command writes into OUT: the only entries it may remove.
+RUN_OUTPUTS = {
+    "convert": MODEL_FOLDER_PATTERNS,
+    "finetune": (*MODEL_FOLDER_PATTERNS, "checkpoint-*", "adapter_config.json", "adapter_model.safetensors"),
+}
 # Errors while writing that describe the user's file system, not a bug in our code: a one-line error naming OUT.
 FILE_SYSTEM_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # An OS error code inside another library's message: Python's "[Errno 28]", Rust's "(os error 28)" (safetensors) and
@@ -64,7 +84,7 @@ def file_system_error(error: BaseException, folder: Path) -> OSError | None:
             number = int(next(filter(None, code.groups())))
             return OSError(number, os.strerror(number))
         cause = cause.__cause__ or cause.__context__
-    probe = folder / ".write-probe"
+    probe = folder / WRITE_PROBE
     try:
         with open(probe, "wb") as file:
             file.write(bytes(PROBE_BYTES))
@@ -83,8 +103,8 @@ def file_system_error(error: BaseException, folder: Path) -> OSError | None:
 def check_output_folder(out, command: str, resume: bool = False, replace: bool = False) -> bool:
     """
     A one-line error for an OUT that `dualflow COMMAND` may not write: a file, a folder another run is writing, or a
-    folder that is not empty, unless it holds an unfinished run of `command` and `resume`, or `replace`. Returns
-    whether there is a run to resume.
+    folder that is not empty, unless it holds an unfinished run of `command` and `resume`, or `replace` and it holds
+    nothing but a Dual-Flow model or an unfinished conversion. Returns whether there is a run to resume.
     """
     path = Path(os.path.realpath(out))
     if path.is_dir() and (lock := _lock(path, out)) is not None:
@@ -92,22 +112,72 @@ def check_output_folder(out, command: str, resume: bool = False, replace: bool =
     return _check_contents(path, out, command, resume, replace)
 
 
+def written_by_run(entry: Path, command: str) -> bool:
+    """Whether `entry` of OUT has a name a `dualflow COMMAND` run writes (and so may remove)."""
+    patterns = (*RUN_OUTPUTS[command], UNFINISHED_MARKER, WRITE_PROBE)
+    return any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in patterns)
+
+
+def foreign_entries(folder: Path, command: str) -> list[Path]:
+    """The entries of `folder` that no `dualflow COMMAND` run writes: the user's, which a run never removes."""
+    return sorted(entry for entry in folder.iterdir() if not written_by_run(entry, command))
+
+
+def _names(entries: list[Path], at_most: int = 3) -> str:
+    """A few entries' names for a one-line message (folders with a trailing slash)."""
+    names = [entry.name + ("/" if entry.is_dir() and not entry.is_symlink() else "") for entry in entries]
+    more = f" and {len(names) - at_most} more" if len(names) > at_most else ""
+    return ", ".join(names[:at_most]) + more
+
+
+def holds_model(folder: Path) -> bool:
+    """Whether `folder` holds a saved Dual-Flow model or adapter (a finished run of convert or finetune)."""
+    if (folder / "adapter_config.json").is_file():
+        return True
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == "dualflow"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _check_contents(path: Path, out, command: str, resume: bool, replace: bool) -> bool:
     """`check_output_folder` but for the lock: for the run that holds it."""
     if path.exists() and not path.is_dir():
         raise DualFlowUserError(f"output folder {out} exists and is not a folder")
-    if replace or not path.is_dir() or not any(path.iterdir()):
+    if not path.is_dir() or not any(path.iterdir()):
         return False
     unfinished = unfinished_run(path)
     if unfinished is not None and unfinished.get("command") == command and resume:
         return True
-    replace_hint = "; pass --overwrite to replace it" if command == "convert" else ""
+    # --overwrite (convert) replaces a Dual-Flow model or an unfinished conversion, and nothing of the user's.
+    replaceable = (
+        command == "convert"
+        and (holds_model(path) or (unfinished or {}).get("command") == "convert")
+        and not foreign_entries(path, command)
+    )
+    if replace and replaceable:
+        return False
+    if replace:
+        foreign = foreign_entries(path, command)
+        what = f"files that are not a Dual-Flow model's ({_names(foreign)})" if foreign else "no Dual-Flow model"
+        raise DualFlowUserError(
+            f"output folder {out} holds {what}: --overwrite replaces only a Dual-Flow model or an unfinished "
+            "conversion; choose another output folder"
+        )
+    if command == "convert":
+        go_on = "pass --overwrite to replace it" if replaceable else "choose another output folder"
+    else:
+        go_on = "choose another --output-dir"
     if unfinished is not None:
         raise DualFlowUserError(
             f"output folder {out} holds an unfinished `dualflow {unfinished.get('command')}` run (stopped before it "
-            f"ended: see its {UNFINISHED_MARKER}){replace_hint or '; remove it or choose another --output-dir'}"
+            f"ended: see its {UNFINISHED_MARKER}); {go_on}"
         )
-    raise DualFlowUserError(f"output folder {out} already exists and is not empty{replace_hint}")
+    if holds_model(path):
+        raise DualFlowUserError(f"output folder {out} holds a finished run (a saved Dual-Flow model); {go_on}")
+    raise DualFlowUserError(
+        f"output folder {out} already exists and is not empty ({_names(sorted(path.iterdir()))}); {go_on}"
+    )
 
 
 def _lock(path: Path, shown) -> int | None:
@@ -176,9 +246,10 @@ class OutputFolder:
                 raise cannot_write(self.shown, error) from None
             raise
         try:
-            if replace:
+            if replace:  # _check_contents allowed it: OUT holds nothing but a run's outputs
                 for entry in self.path.iterdir():
-                    remove(entry)
+                    if written_by_run(entry, self.command):
+                        remove(entry)
             marker = {"command": self.command, "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             (self.path / UNFINISHED_MARKER).write_text(json.dumps(marker) + "\n")
         except BaseException as error:
@@ -204,14 +275,15 @@ class OutputFolder:
     def fail(self, keep: Callable[[Path], list[Path]]):
         """
         Remove what this run wrote but what `keep(path)` names (entries of OUT); with nothing kept, OUT goes back to
-        what it was (absent or empty), else the marker stays and tells the next run.
+        what it was (absent, empty, or holding only the user's files), else the marker stays and tells the next run.
         """
         try:
             kept = set(keep(self.path)) if self.path.is_dir() else set()
             for entry in self.path.iterdir() if self.path.is_dir() else ():
                 if entry in kept or (kept and entry.name == UNFINISHED_MARKER):  # the marker tells the next run
                     continue
-                remove(entry)
+                if written_by_run(entry, self.command):
+                    remove(entry)
             if not kept:
                 self._remove_created_folders()
         finally:
@@ -248,8 +320,8 @@ def output_folder(
     """
     `with output_folder(out, "convert") as folder:` write into `folder.path`. OUT is created (with its parents) and
     locked at once, so an unwritable location fails before any work, in one line naming it. An existing OUT must be
-    empty, or hold an unfinished run of `command` when `resume` (the block goes on with it: `folder.resumed`), or is
-    emptied first when `replace`. Any failure (an error, Ctrl-C, SIGTERM, SIGHUP) removes what the run wrote but
+    empty, or hold an unfinished run of `command` when `resume` (the block goes on with it: `folder.resumed`), or,
+    when `replace`, hold nothing but a Dual-Flow model or an unfinished conversion, which is removed first. Any failure (an error, Ctrl-C, SIGTERM, SIGHUP) removes what the run wrote but
     what `keep(folder.path)` returns; a file-system error becomes one line naming OUT.
     """
     folder = OutputFolder(out, command)

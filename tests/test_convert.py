@@ -235,6 +235,9 @@ def _bad_sources(tmp_path: Path) -> dict:
     no_experts = save_source(mixtral, tmp_path / "no-experts", "single")
     _edit_json(no_experts / "config.json", lambda d: d.update(num_local_experts=0))
     cases["no experts"] = (no_experts, [], "mixtral config has 0 experts: a MoE checkpoint needs at least 1")
+    no_width = save_source(mixtral, tmp_path / "no-width", "single")
+    _edit_json(no_width / "config.json", lambda d: d.pop("hidden_size"))
+    cases["size field missing"] = (no_width, [], "from config.json, which has no hidden_size (transformers' defaults")
     cases["revision of a folder"] = (moe, ["--revision", "v2"], f"--revision applies to Hub sources; {moe} is a local")
     return cases
 
@@ -252,27 +255,53 @@ def test_bad_inputs_give_one_line_errors_and_no_output(tmp_path):
     assert os.listdir(out_parent) == []  # no temporary sibling left behind either
 
 
-def test_existing_out_needs_overwrite(tmp_path):
+def test_overwrite_replaces_only_a_dualflow_model_or_an_unfinished_conversion(tmp_path):
     src = save_source(make_source("qwen2"), tmp_path / "src", "single")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("user data")
+    (out / "src").mkdir(parents=True)
+    user_files = {"notes.md": "my notes", ".env": "HF_TOKEN=secret", "src/train.py": "print('mine')"}
+    for name, text in user_files.items():
+        (out / name).write_text(text)
     code, stderr = run_dualflow("convert", src, out)
-    assert code == 2 and "already exists and is not empty; pass --overwrite to replace it" in stderr
-    assert (out / "keep.txt").read_text() == "user data"
+    assert code == 2 and stderr.strip() == (
+        f"dualflow convert: error: output folder {out} already exists and is not empty (.env, notes.md, src/); "
+        "choose another output folder"
+    )
     code, stderr = run_dualflow("convert", src, out, "--overwrite")
+    assert code == 2 and stderr.strip() == (
+        f"dualflow convert: error: output folder {out} holds files that are not a Dual-Flow model's (.env, notes.md, "
+        "src/): --overwrite replaces only a Dual-Flow model or an unfinished conversion; choose another output folder"
+    )
+    assert {name: (out / name).read_text() for name in user_files} == user_files
+    assert sorted(os.listdir(out)) == [".env", "notes.md", "src"]
+
+    # A finished conversion: the error's advice, followed, replaces it.
+    model = tmp_path / "model"
+    assert run_dualflow("convert", src, model)[0] == 0
+    code, stderr = run_dualflow("convert", src, model, "--dtype", "bfloat16")
+    assert code == 2 and stderr.strip() == (
+        f"dualflow convert: error: output folder {model} holds a finished run (a saved Dual-Flow model); pass "
+        "--overwrite to replace it"
+    )
+    code, stderr = run_dualflow("convert", src, model, "--dtype", "bfloat16", "--overwrite")
     assert code == 0, stderr
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
-    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+    assert json.loads((model / "config.json").read_text())["dtype"] == "bfloat16"
+    # The same model with a file of the user's beside it is not replaced.
+    (model / "eval-notes.md").write_text("mine")
+    code, stderr = run_dualflow("convert", src, model, "--overwrite")
+    assert code == 2 and "holds files that are not a Dual-Flow model's (eval-notes.md)" in stderr
+    assert (model / "eval-notes.md").read_text() == "mine" and (model / "model.safetensors").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["model", "out", "src"]
 
 
 def test_out_inside_the_source_and_source_inside_out_are_refused(tmp_path):
     src = save_source(make_source("qwen2"), tmp_path / "mix", "single")
     files = sorted(os.listdir(src))
     for out, extra, message in [
-        (src, ["--overwrite"], f"OUT {src} is inside the source folder {src}"),
         (src / "sub", [], f"OUT {src / 'sub'} is inside the source folder {src}"),
-        (tmp_path, ["--overwrite"], f"the source folder {src} is inside OUT {tmp_path}, which would replace it"),
+        # --overwrite replaces no folder but a Dual-Flow model: not the source, nor a folder holding it
+        (src, ["--overwrite"], f"output folder {src} holds no Dual-Flow model: --overwrite replaces only"),
+        (tmp_path, ["--overwrite"], "holds files that are not a Dual-Flow model's (mix/): --overwrite replaces only"),
     ]:
         code, stderr = run_dualflow("convert", src, out, *extra)
         assert code == 2 and stderr.count("\n") == 1 and message in stderr, stderr

@@ -408,7 +408,7 @@ def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, caps
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     assert run_finetune(model_dir, "--data", data, "--output-dir", tmp_path / "taken") == 2
-    assert "already exists and is not empty" in capsys.readouterr().err
+    assert "already exists and is not empty (keep.txt); choose another --output-dir" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
 
 
@@ -481,7 +481,10 @@ def test_a_stopped_run_keeps_its_checkpoints_and_the_same_command_resumes_it(mod
     # A finished run is not started over, nor resumed, by the same command.
     completed = subprocess.run(list(map(str, [*command, "--max-steps", step + 2])), capture_output=True, text=True)
     assert completed.returncode == 2
-    assert completed.stderr.strip() == f"dualflow finetune: error: output folder {out} already exists and is not empty"
+    assert completed.stderr.strip() == (
+        f"dualflow finetune: error: output folder {out} holds a finished run (a saved Dual-Flow model); choose another "
+        "--output-dir"
+    )
 
 
 def test_sigkill_leaves_a_visible_unfinished_run_that_the_next_run_resumes(model_dir, tmp_path):
@@ -541,27 +544,6 @@ def small_run(tmp_path, *extra) -> list:
     return ["--data", data, "--block-size", 32, "--batch-size", 4, "--disable-tqdm", "true", *extra]
 
 
-def test_full_disk_keeps_every_saved_checkpoint_and_names_the_output(model_dir, tmp_path):
-    argv = small_run(tmp_path, "--max-steps", 100, "--save-strategy", "steps", "--save-steps", 1)
-    # A checkpoint of this model with its optimizer state takes about 880 KiB: the fourth does not fit.
-    status, stderr, disk = finetune_on_a_mount(tmp_path, "size=3300k", model_dir, *argv)
-    out = tmp_path / "disk" / "out"
-    assert status == 2 and "Traceback" not in stderr
-    assert stderr.strip().splitlines()[-1] == (
-        f"dualflow finetune: error: cannot write the output folder {out}: No space left on device; "
-        f"checkpoints kept in {out} (last: checkpoint-3); rerun the same command to go on from the last one"
-    )
-    # Every complete checkpoint kept, nothing half-written left behind; the marker says the run did not end.
-    checkpoints = sorted((disk / "out").glob("checkpoint-*"))
-    assert [path.name for path in checkpoints] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
-    assert sorted(path.name for path in (disk / "out").iterdir()) == [path.name for path in checkpoints] + [
-        UNFINISHED_MARKER
-    ]
-    for checkpoint in checkpoints:
-        assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == int(checkpoint.name[-1])
-        AutoModelForCausalLM.from_pretrained(checkpoint)  # loads: complete weights
-
-
 def test_a_disk_too_small_for_the_model_is_refused_before_training(model_dir, tmp_path):
     # The config and code files fit, the weights (250 KiB) do not: said before the first step, not after training.
     status, stderr, disk = finetune_on_a_mount(tmp_path, "size=150k", model_dir, *small_run(tmp_path, "--max-steps", 1))
@@ -613,7 +595,7 @@ def test_diverged_run_stops_keeps_finite_checkpoints_and_fails(model_dir, tmp_pa
     error = capsys.readouterr().err.strip().splitlines()[-1]
     steps = sorted(int(path.name.split("-")[1]) for path in out.glob("checkpoint-*"))
     diverged_at = steps[-1] + 1  # stopped at the first non-finite loss, before checkpointing that step
-    assert diverged_at < 50 and steps == list(range(1, diverged_at))
+    assert diverged_at < 50 and steps == list(range(1, diverged_at))[-2:]  # the newest two are kept
     assert error.startswith(
         f"dualflow finetune: error: training diverged: the loss or its gradients were NaN or inf at step {diverged_at}; "
         f"the model was not saved; checkpoints kept in {out} (last: checkpoint-{steps[-1]})"
@@ -621,7 +603,10 @@ def test_diverged_run_stops_keeps_finite_checkpoints_and_fails(model_dir, tmp_pa
     # The weights of checkpoint N - 1 gave the loss or gradients: the advice goes on from the one before, if any.
     assert f"(those from checkpoint-{diverged_at - 1} on hold the weights that diverged)" in error
     if diverged_at > 2:
-        assert error.endswith(f"--resume-from-checkpoint {out / f'checkpoint-{diverged_at - 2}'}")
+        assert error.endswith(
+            f"rerun the same command with {out / f'checkpoint-{diverged_at - 2}'} as the model, a lower "
+            "--learning-rate and another --output-dir"
+        )
     assert not (out / "model.safetensors").exists() and (out / UNFINISHED_MARKER).is_file()
     for step in steps:
         model = AutoModelForCausalLM.from_pretrained(out / f"checkpoint-{step}")
@@ -670,3 +655,135 @@ def test_a_file_size_limit_at_the_final_save_is_one_line(model_dir, tmp_path):
         f"dualflow finetune: error: cannot write the output folder {out}: File too large"
     )
     assert not out.exists()
+
+
+def test_resuming_and_failing_leave_the_users_files_in_the_output_folder(model_dir, tmp_path):
+    # Notes and plots made from the kept checkpoints of a stopped run are the user's: no run removes them.
+    process, _, command, out = stop_finetune_after_a_checkpoint(model_dir, tmp_path, signal.SIGINT)
+    assert process.returncode == 130
+    (out / "plots").mkdir()
+    user_files = {"my_eval_notes.md": b"checkpoint-1 looks fine", "plots/loss.png": b"\x89PNG not really"}
+    for name, content in user_files.items():
+        (out / name).write_bytes(content)
+    step = int(last_checkpoint(out).name.split("-")[1])
+    # A run that fails on resuming (a bad flag found after OUT was taken) removes what it wrote, nothing else.
+    failed = subprocess.run(
+        list(map(str, [*command, "--max-steps", step + 1, "--lora", "--target-modules", "no_such_module"])),
+        capture_output=True,
+        text=True,
+    )
+    assert failed.returncode == 2 and "--target-modules" in failed.stderr, failed.stderr[-3000:]
+    assert {name: (out / name).read_bytes() for name in user_files} == user_files
+    completed = subprocess.run(list(map(str, [*command, "--max-steps", step + 1])), capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert f"left as they are in {out}: my_eval_notes.md, plots" in completed.stdout
+    assert {name: (out / name).read_bytes() for name in user_files} == user_files
+    assert (out / "model.safetensors").is_file() and not (out / UNFINISHED_MARKER).exists()
+
+
+def test_the_default_saving_keeps_checkpoints_of_a_stopped_run(model_dir, tmp_path):
+    # No --save-strategy given: Trainer's saving, every tenth of the run (here every 10 steps), the newest two kept.
+    data = tmp_path / "corpus.txt"
+    data.write_text(stdlib_text("textwrap.py", chars=6000))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, "--data", data, "--output-dir", out]
+    command += ["--block-size", 32, "--batch-size", 4, "--disable-tqdm", "true", "--max-steps", 100]
+    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for("out/checkpoint-*/trainer_state.json", tmp_path, process)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=300)
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+    assert process.returncode == 130 and "rerun the same command to go on from the last one" in stderr
+    checkpoints = complete_checkpoints(out)
+    assert 1 <= len(checkpoints) <= 2 and all(int(path.name.split("-")[1]) % 10 == 0 for path in checkpoints)
+    # The checkpoint carries the tokenizer: it is a model folder `dualflow finetune` can start from.
+    assert (checkpoints[-1] / "tokenizer_config.json").is_file()
+
+
+def test_an_interrupted_run_that_saves_no_checkpoint_says_so(model_dir, tmp_path):
+    out = tmp_path / "out"
+    argv = small_run(tmp_path, "--max-steps", 100_000, "--save-strategy", "no", "--output-dir", out)
+    command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv]
+    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(f"out/{UNFINISHED_MARKER}", tmp_path, process)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=300)
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+    assert process.returncode == 130
+    assert stderr.strip().splitlines()[-1] == (
+        "dualflow finetune: interrupted; no checkpoint was kept (--save-strategy no): pass --save-strategy steps "
+        "--save-steps N to keep one every N steps"
+    )
+    assert not out.exists()
+
+
+def test_the_advice_after_a_divergence_works_as_written(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = small_run(tmp_path, "--lr", 1e6, "--max-steps", 50, "--save-steps", 1, "--eval-blocks", 0)
+    assert run_finetune(model_dir, *argv, "--output-dir", out) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    advice = error.split("; to go on, ")[1]
+    checkpoint = complete_checkpoints(out)[0]  # the newest two are kept: the older one holds finite weights
+    assert advice == (
+        f"rerun the same command with {checkpoint} as the model, a lower --learning-rate and another --output-dir"
+    )
+    # Followed: the checkpoint's weights, a lower learning rate (resuming would restore the one that diverged).
+    again = tmp_path / "again"
+    argv[argv.index("--lr") + 1] = 1e-4
+    assert run_finetune(checkpoint, *argv, "--output-dir", again) == 0, capsys.readouterr().err
+    model = AutoModelForCausalLM.from_pretrained(again)
+    source = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert all(parameter.isfinite().all() for parameter in model.parameters())
+    # It went on from the checkpoint's weights (those the learning rate of 1e6 made), not from the source model's.
+    assert not torch.equal(model.model.norm.weight, source.model.norm.weight)
+
+
+def test_the_advice_after_a_full_disk_works_as_written(model_dir, tmp_path):
+    # The free-space check passes (it cannot know Trainer's extra files before the first checkpoint); the third
+    # checkpoint does not fit. Freeing what the message asks for, on the same disk, lets the same command finish.
+    argv = small_run(tmp_path, "--max-steps", 6, "--save-steps", 1, "--eval-blocks", 0)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = disk / "out"
+    finetune = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv, "--output-dir", out]
+    script = (
+        'mount -t tmpfs -o size=2600k tmpfs "$1" || exit 99; "${@:2}" 2>"$1.err"; cat "$1.err" >&2; '
+        'ls -A "$1/out" >"$1.ls"; '
+        'mib=$(sed -n "s/.*free at least \\([0-9.]*\\) MiB.*/\\1/p" "$1.err"); [ -n "$mib" ] || exit 98; '
+        'mount -o remount,size=$((2600 + $(python3 -c "import math; print(math.ceil($mib * 1024))")))k "$1"; "${@:2}"'
+    )
+    command = ["unshare", "--user", "--map-root-user", "--mount", "bash", "-c", script, "bash", disk, *finetune]
+    completed = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert f"cannot write the output folder {out}: No space left on device; checkpoints kept in {out}" in (
+        completed.stderr
+    )
+    # The first run kept its complete checkpoints and nothing half-written, and the marker said it did not end.
+    assert (tmp_path / "disk.ls").read_text().split() == ["checkpoint-1", "checkpoint-2", UNFINISHED_MARKER]
+    assert "resuming the unfinished run" in completed.stdout and "from its last checkpoint, checkpoint-2" in (
+        completed.stdout
+    )
+
+
+def test_resuming_a_run_stopped_after_its_last_step_trains_no_step_more(model_dir, tmp_path):
+    # Killed while saving the final model: the last checkpoint is the run's last step.
+    command, out = finetune_command(model_dir, tmp_path, "--max-steps", 3, "--eval-blocks", 0)
+    assert subprocess.run(list(map(str, command)), capture_output=True).returncode == 0
+    for name in ("model.safetensors", "config.json", "README.md"):
+        (out / name).unlink()
+    (out / UNFINISHED_MARKER).write_text(json.dumps({"command": "finetune"}))
+    completed = subprocess.run(list(map(str, command)), capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "checkpoint-3 is the run's last step (3): its weights are the result" in completed.stdout
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    result = AutoModelForCausalLM.from_pretrained(out)
+    last = AutoModelForCausalLM.from_pretrained(out / "checkpoint-3")
+    assert all(torch.equal(parameter, last.get_parameter(name)) for name, parameter in result.named_parameters())
