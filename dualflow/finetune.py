@@ -185,6 +185,10 @@ def make_trainer(
     if batch_size is not None:
         arguments.update(per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size)
     arguments.update(training_arguments)
+    if getattr(model, "is_distributed_loading_by_transformers", False) and "save_only_model" not in training_arguments:
+        # Trainer cannot checkpoint the optimizer of a model sharded at load (FSDP2 through `DistributedConfig`):
+        # its checkpoints then hold the weights alone, and a stopped run starts again from them.
+        arguments["save_only_model"] = True
     if arguments["save_steps"] is None:
         arguments["save_steps"] = min(
             LONGEST_SAVE_INTERVAL, math.ceil(planned_steps(len(train_blocks), arguments) / 10)
