@@ -15,7 +15,9 @@ def register() -> None:
     import modeling_dualflow  # noqa: F401  (registers DualFlowConfig with transformers' AutoConfig)
 
     from .engine_config import DualFlowEngineConfig
+    from .vllm_internals import refuse_prompt_logprobs_with_fast_prefill
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "dualflow.serving.model:DualFlowForCausalLM")
     MODELS_CONFIG_MAP[ARCHITECTURE] = DualFlowEngineConfig
+    refuse_prompt_logprobs_with_fast_prefill()

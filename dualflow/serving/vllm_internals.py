@@ -74,3 +74,37 @@ def compiled_model_tag(tag: str):
     from vllm.compilation.backends import set_model_tag
 
     return set_model_tag(tag)
+
+
+def refuse_prompt_logprobs_with_fast_prefill() -> None:
+    """
+    Make vLLM's input processor refuse prompt logprobs for a Dual-Flow engine running KV-sharing fast prefill, in the
+    calling process, before the request reaches the engine. vLLM's server refuses them (`AsyncLLM.add_request`), its
+    offline `LLM` does not: the request then fails inside the engine core, which ends the engine for every later
+    request too.
+    """
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    validate = InputProcessor._validate_params
+    if getattr(validate, "refuses_prompt_logprobs_with_fast_prefill", False):  # vLLM calls register() more than once
+        return
+
+    def validate_params(self, params, supported_tasks):
+        config = self.vllm_config
+        if (
+            isinstance(params, SamplingParams)
+            and params.prompt_logprobs is not None
+            and config.cache_config.kv_sharing_fast_prefill
+            and "DualFlowForCausalLM" in (config.model_config.architectures or ())
+        ):
+            raise VLLMValidationError(
+                "Dual-Flow runs its aux flow at the sampled rows only (KV-sharing fast prefill), so it has no prompt "
+                'logprobs: start the engine with hf_overrides={"aux_at_every_prompt_position": true} for them',
+                parameter="prompt_logprobs",
+            )
+        return validate(self, params, supported_tasks)
+
+    validate_params.refuses_prompt_logprobs_with_fast_prefill = True
+    InputProcessor._validate_params = validate_params

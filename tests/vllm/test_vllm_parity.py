@@ -2,6 +2,8 @@
 (aux flow on, k_a = 4 != k_p = 2), with prefix caching and chunked prefill on."""
 
 import pytest
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 from vllm_reference import (
     AUX_TOP_K,
     ENGINE_ARGS,
@@ -41,6 +43,16 @@ def test_engine_uses_fast_prefill_for_the_aux_flow(engine):
     assert config.model_config.architecture == "DualFlowForCausalLM"
     assert config.cache_config.kv_sharing_fast_prefill
     assert config.cache_config.enable_prefix_caching and config.scheduler_config.enable_chunked_prefill
+
+
+def test_offline_prompt_logprobs_are_refused_before_the_engine_and_it_serves_on(engine, reference):
+    # vLLM's server refuses them with fast prefill; the offline engine took them and died in its engine core.
+    with pytest.raises(
+        VLLMValidationError, match=r"has no prompt logprobs: start the engine with hf_overrides="
+    ) as refused:
+        engine.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert "\n" not in str(refused.value)
+    assert_matches_transformers(served_greedy(engine, PROMPTS[:1], MAX_NEW), PROMPTS[:1], reference, MAX_NEW)
 
 
 def test_greedy_batch_matches_transformers(engine, reference):
