@@ -162,12 +162,14 @@ class DualFlowAttention(nn.Module):
             key_states = apply_rotary(key_states, cos[:, :num_primary], sin[:, :num_primary])
             value_states = self._project(primary, self.v_proj, None)
             if cache is not None:
-                key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+                # `kwargs`: continuous batching's paged cache reads its indices there and sets the layer's ones
+                key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
         else:
             key_states, value_states = primary_key_values
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        # The cache is updated above, as transformers' models do from 5.25 on: before, the `paged|eager` function
+        # updated a paged cache itself. Both flows attend to the keys read back, so `paged|eager` is eager here.
+        implementation = self.config._attn_implementation.removeprefix("paged|")
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
 
         def attend(module, query, flow_masks):
             mask, is_causal, position_ids = flow_masks

@@ -24,7 +24,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple, is_torchdynamo_compiling
-from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.generic import is_flash_attention_requested, merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .attention_dualflow import (
@@ -309,7 +309,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         hidden_states = torch.cat([inputs_embeds, aux_embeds.to(inputs_embeds.device)], dim=1)
         row_positions = torch.cat([position_ids, position_ids[:, aux_positions]], dim=1)
         if not at_every_position:
-            kv_length = cache.get_mask_sizes(num_primary, 0)[0] if cache is not None else num_primary
+            kv_length = cache.get_mask_sizes(num_primary, 0)[0] if isinstance(cache, Cache) else num_primary
             aux_mask = aux_rows_mask(
                 self.config, masks.primary[0], aux_positions, last_positions, num_primary, past_length, kv_length
             )
@@ -344,7 +344,7 @@ class DualFlowModel(DualFlowPreTrainedModel):
         aux_inputs_embeds, aux_num_experts_per_tok, aux_num_rounds, cache: as for `DualFlowForCausalLM.forward`.
         """
         cache = past_key_values if cache is None else cache
-        past_length = cache.get_seq_length() if cache is not None else 0
+        past_length = cache.get_seq_length() if isinstance(cache, Cache) else 0
         self._check_inputs(input_ids, inputs_embeds, aux_inputs_embeds, attention_mask, past_length)
         aux_top_k, num_rounds = self._aux_settings(aux_num_experts_per_tok, aux_num_rounds)
         if use_cache and cache is None:
@@ -357,7 +357,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
         mask_function = create_causal_mask if self.config.sliding_window is None else create_sliding_window_causal_mask
         # the cache by position: its keyword's name depends on the version (CACHE_FIELD)
         primary_mask = mask_function(self.config, inputs_embeds, attention_mask, cache, position_ids=position_ids)
-        masks = DualFlowMasks(primary=(primary_mask, None, position_ids))
+        # `is_causal` (continuous batching passes it with its mask) describes the primary rows; the aux rows' is theirs
+        masks = DualFlowMasks(primary=(primary_mask, kwargs.pop("is_causal", None), position_ids))
 
         hidden_states, row_positions = inputs_embeds, position_ids
         if aux_positions is not None:
@@ -479,6 +480,21 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         # `generate` reads the predicted logits only: the primary rows' LM head is skipped unless asked for.
         model_inputs.setdefault("return_primary_logits", False)
         return model_inputs
+
+    def init_continuous_batching(self, *args, **kwargs):
+        # Continuous batching (`generate_batch`, `transformers serve`) packs a step's requests into one row; the aux
+        # rows, one per request that samples, attend with their positions' rows of the mask that sdpa and eager get.
+        # Flash takes no mask (and the manager switches half-precision models to it): refused before any request runs.
+        attn_implementation = self.config._attn_implementation
+        manager = super().init_continuous_batching(*args, **kwargs)
+        if is_flash_attention_requested(self.config):
+            if self.config._attn_implementation != attn_implementation:  # the manager switched it: switch it back
+                self.set_attn_implementation(attn_implementation)
+            raise ValueError(
+                'continuous batching runs a Dual-Flow model with attn_implementation "sdpa" or "eager", not flash '
+                "attention: set one and pass ContinuousBatchingConfig(auto_switch_to_flash=False), or use generate()"
+            )
+        return manager
 
     @can_return_tuple
     def forward(
