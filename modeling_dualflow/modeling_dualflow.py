@@ -460,7 +460,8 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         # The hook in-tree models (t5gemma) override to choose their cache. A given cache (the base model's prefill, say)
-        # of other shapes is refused; the DynamicCache transformers builds becomes a DualFlowCache, settings and all.
+        # of other shapes is refused. transformers has no hook for the class of the cache it builds: where it built a
+        # DynamicCache, a DualFlowCache built with the same arguments takes its place.
         given = next(
             (model_kwargs[name] for name in ("cache", "past_key_values") if model_kwargs.get(name) is not None), None
         )
@@ -469,8 +470,11 @@ class DualFlowForCausalLM(DualFlowPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         built = model_kwargs.get(CACHE_FIELD)
         if given is None and type(built) is DynamicCache:
-            model_kwargs[CACHE_FIELD] = DualFlowCache.__new__(DualFlowCache)
-            vars(model_kwargs[CACHE_FIELD]).update(vars(built))
+            cache = DualFlowCache(config=self.config.get_text_config(decoder=True), offloading=built.offloading)
+            # as transformers does for an assistant's cache (the argument 5.25 adds concerns linear-attention layers)
+            if generation_config.is_assistant:
+                cache.activate_past_recording()
+            model_kwargs[CACHE_FIELD] = cache
 
     def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, aux_inputs_embeds=None, **kwargs):
         model_inputs = super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)

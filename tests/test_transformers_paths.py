@@ -7,8 +7,12 @@ tensor `logits_to_keep`, and activation checkpointing with a user cache.
 import pytest
 import torch
 from helpers import tiny_model
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig, StaticCache
+from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching import continuous_api
+
+from modeling_dualflow import DualFlowCache
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -59,3 +63,67 @@ class TestContinuousBatching:
         with pytest.raises(ValueError, match="not flash attention"):
             model.init_continuous_batching(GREEDY, SMALL_BATCHES)
         assert model.config._attn_implementation == "flash_attention_2"
+
+
+def described(value):
+    """A cache's state as plain values: attributes and layers compared by value, streams by type."""
+    if isinstance(value, (list, tuple)):
+        return [described(item) for item in value]
+    if isinstance(value, torch.Stream) or isinstance(value, type):
+        return type(value).__name__ if isinstance(value, torch.Stream) else value.__name__
+    if hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+        return type(value).__name__, {name: described(item) for name, item in vars(value).items()}
+    return value
+
+
+@pytest.fixture
+def dualflow_cache_inits(monkeypatch):
+    """The DualFlowCache objects whose `__init__` ran."""
+    inits, init = [], DualFlowCache.__init__
+
+    def recorded_init(self, *args, **kwargs):
+        inits.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(DualFlowCache, "__init__", recorded_init)
+    return inits
+
+
+class TestGenerateCache:
+    @pytest.mark.parametrize(
+        "options",
+        [{}, {"cache_implementation": "dynamic"}, {"cache_implementation": "offloaded"}, {"is_assistant": True}],
+    )
+    def test_the_cache_is_built_like_transformers_dynamic_cache(self, options, dualflow_cache_inits):
+        """Where transformers builds a DynamicCache, the model's hook builds a DualFlowCache through its constructor,
+        in the state transformers' cache has (offloading, an assistant's past recording on its sliding layers)."""
+        model = tiny_model(sliding_window=3)
+        generation_config = GenerationConfig(**options)
+        ours, theirs = {}, {}
+        model._prepare_cache_for_generation(generation_config, ours, None, 2, 16)
+        GenerationMixin._prepare_cache_for_generation(model, generation_config, theirs, None, 2, 16)
+        assert list(ours) == list(theirs) == [CACHE_FIELD] and type(theirs[CACHE_FIELD]) is DynamicCache
+        cache = ours[CACHE_FIELD]
+        assert type(cache) is DualFlowCache and dualflow_cache_inits == [cache]
+        assert described(cache)[1] == described(theirs[CACHE_FIELD])[1]
+
+    def test_generate_runs_on_a_constructed_dualflow_cache_or_a_static_one(self, dualflow_cache_inits):
+        model = tiny_model(aux_num_experts_per_tok=3)
+        input_ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(2))
+        options = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+        for use_aux_flow in (True, False):
+            default = model.generate(input_ids, use_aux_flow=use_aux_flow, **options)
+            cache = default[CACHE_FIELD]
+            assert type(cache) is DualFlowCache and any(built is cache for built in dualflow_cache_inits)
+            static = model.generate(input_ids, use_aux_flow=use_aux_flow, cache_implementation="static", **options)
+            assert type(static[CACHE_FIELD]) is StaticCache
+            given = model.generate(input_ids, use_aux_flow=use_aux_flow, **{CACHE_FIELD: DynamicCache()}, **options)
+            assert torch.equal(default.sequences, static.sequences) and torch.equal(default.sequences, given.sequences)
+
+    def test_assisted_decoding_with_a_dualflow_assistant(self):
+        """The assistant's cache records its past (sliding window) so that `crop` can roll rejected tokens back."""
+        model, assistant = tiny_model(sliding_window=3), tiny_model(seed=1, sliding_window=3)
+        input_ids = torch.randint(1, 97, (1, 7), generator=torch.Generator().manual_seed(3))
+        expected = model.generate(input_ids, max_new_tokens=8, do_sample=False)
+        assisted = model.generate(input_ids, max_new_tokens=8, do_sample=False, assistant_model=assistant)
+        assert torch.equal(assisted, expected)
