@@ -11,7 +11,6 @@ from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
@@ -47,9 +46,9 @@ from .outputs_dualflow import (
 )
 
 
-@use_experts_implementation
+# Decorated in transformers, which offers the experts kernels to a model whose file says @use_experts_implementation
 class DualFlowExperts(Qwen3MoeExperts):
-    """Qwen3-MoE's experts, decorated again: transformers offers its experts kernels to models whose file does."""
+    """Qwen3-MoE's experts, kernels and all."""
 
 
 def route_two_top_k(

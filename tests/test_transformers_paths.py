@@ -10,9 +10,10 @@ from helpers import tiny_model
 from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching import continuous_api
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from modeling_dualflow import DualFlowCache
-from modeling_dualflow.modeling_dualflow import CACHE_FIELD
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowExperts
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -127,3 +128,40 @@ class TestGenerateCache:
         expected = model.generate(input_ids, max_new_tokens=8, do_sample=False)
         assisted = model.generate(input_ids, max_new_tokens=8, do_sample=False, assistant_model=assistant)
         assert torch.equal(assisted, expected)
+
+
+class TestExpertsKernels:
+    def test_the_experts_forward_is_wrapped_once(self):
+        """Decorated once, by transformers on Qwen3-MoE's class: one dispatch, one `__init__` wrapper."""
+        for method in (DualFlowExperts.forward, DualFlowExperts.__init__):
+            depth = 0
+            while hasattr(method, "__wrapped__"):
+                method, depth = method.__wrapped__, depth + 1
+            assert depth == 1
+
+    def test_each_kernel_is_selected(self, monkeypatch):
+        """grouped_mm by default; eager, batched_mm and grouped_mm by `set_experts_implementation`, for both fan-outs
+        (k_a > k_p); a kernel registered with transformers is the one called."""
+        model = tiny_model(aux_num_experts_per_tok=3)
+        input_ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(4))
+        assert model.config._experts_implementation == "grouped_mm"
+        outputs = {}
+        for implementation in ("eager", "batched_mm", "grouped_mm"):
+            model.set_experts_implementation(implementation)
+            experts = [module for module in model.modules() if isinstance(module, DualFlowExperts)]
+            assert {module.config._experts_implementation for module in experts} == {implementation}
+            outputs[implementation] = model(input_ids)
+        for implementation in ("batched_mm", "grouped_mm"):
+            for field in ("logits", "primary_logits"):
+                actual, expected = outputs[implementation][field], outputs["eager"][field]
+                torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+        calls = []
+
+        def recording_kernel(module, *args, **kwargs):
+            calls.append(module)
+            return ALL_EXPERTS_FUNCTIONS["grouped_mm"](module, *args, **kwargs)
+
+        monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS, "dualflow_test_experts", recording_kernel)
+        model.set_experts_implementation("dualflow_test_experts")
+        torch.testing.assert_close(model(input_ids).logits, outputs["grouped_mm"].logits, rtol=0, atol=0)
+        assert len(calls) == model.config.num_hidden_layers  # one call per MoE layer: both flows together
