@@ -23,7 +23,7 @@ COMMANDS = {
     "convert": ("dualflow.convert.cli", "upcycle a transformers checkpoint into a Dual-Flow checkpoint"),
     "finetune": (
         "dualflow.finetune_cli",
-        "fine-tune a Dual-Flow model on a .txt / .jsonl corpus with transformers.Trainer",
+        "fine-tune a Dual-Flow model on text or chat data (files, folders, datasets) with transformers.Trainer",
     ),
     "push": ("dualflow.hub", "upload a Dual-Flow model (or LoRA adapter) folder to the Hugging Face Hub"),
     "compare": (

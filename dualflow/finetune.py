@@ -3,13 +3,12 @@
 
 Three modes: full fine-tuning, `--aux-only` (only the aux flow's own parameters: embedding, couplings and, where the
 model has them, round gates and aux adapters; the primary flow stays the source model bit for bit) and `--lora` (PEFT
-adapters on the shared weights plus the aux parameters, see `dualflow.lora`). The data is a .txt file (one document),
-a .jsonl file (one {"text": ...} document per line) or a folder of them, tokenized with the model folder's tokenizer
-and packed into fixed-size blocks. The command line is `dualflow.finetune_cli`.
+adapters on the shared weights plus the aux parameters, see `dualflow.lora`). The data (texts or chats, read with
+`datasets`: `dualflow.training_data`) is tokenized with the model folder's tokenizer and packed into fixed-size
+blocks. The command line is `dualflow.finetune_cli`.
 """
 
 import errno
-import json
 import math
 import os
 import shutil
@@ -28,7 +27,6 @@ import modeling_dualflow  # noqa: F401  (registers the dualflow model type with 
 from .aux_training import freeze_for_aux_training
 from .checkpoint import WEIGHT_FILES, load_dualflow_config, load_dualflow_model, load_tokenizer
 from .errors import DualFlowInterrupted, DualFlowUserError
-from .instruments.data import read_utf8_text
 from .lora import add_lora
 from .model_card import license_of, write_adapter_card, write_model_card
 from .output_folder import (
@@ -42,93 +40,14 @@ from .output_folder import (
     written_by_run,
 )
 from .scoring import mean_token_nlls
-
-
-DATA_SUFFIXES = (".txt", ".jsonl")
-
-
-def data_files(paths) -> list[Path]:
-    """
-    The data files `paths` name (one path or several): a .txt or .jsonl file as it is, a folder as the .txt and .jsonl
-    files in it at any depth (in path order; hidden ones left out).
-    """
-    files = []
-    for path in map(Path, [paths] if isinstance(paths, (str, os.PathLike)) else paths):
-        if path.is_dir():
-            found = sorted(
-                file
-                for file in path.rglob("*")
-                if file.suffix in DATA_SUFFIXES
-                and file.is_file()
-                and not any(part.startswith(".") for part in file.relative_to(path).parts)
-            )
-            if not found:
-                raise DualFlowUserError(f"data folder {path} holds no .txt or .jsonl file")
-            files.extend(found)
-        elif not path.exists():
-            raise DualFlowUserError(f"data file {path} does not exist")
-        elif path.suffix not in DATA_SUFFIXES:
-            raise DualFlowUserError(
-                f'data file {path} must end in .txt (plain text) or .jsonl (one {{"text": ...}} per line), '
-                "or be a folder of such files"
-            )
-        else:
-            files.append(path)
-    return files
-
-
-def _read_file(path: Path, text_field: str) -> list[str]:
-    """Documents of a .txt file (the whole file) or a .jsonl file (the `text_field` of every non-blank line)."""
-    content = read_utf8_text(path)
-    if path.suffix == ".txt":
-        return [content]
-    texts = []
-    for line_number, line in enumerate(content.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DualFlowUserError(f"{path}:{line_number} is not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise DualFlowUserError(f"{path}:{line_number} has no string {json.dumps(text_field)} field")
-        texts.append(record[text_field])
-    return texts
-
-
-def read_texts(paths, text_field: str = "text") -> list[str]:
-    """
-    The documents of the data `paths` name (see `data_files`): a .txt file is one document, a .jsonl file one per
-    non-blank line (its `text_field`).
-    """
-    texts = [text for path in data_files(paths) for text in _read_file(path, text_field)]
-    if not any(text.strip() for text in texts):
-        named = [paths] if isinstance(paths, (str, os.PathLike)) else paths
-        raise DualFlowUserError(f"the data holds no text ({', '.join(map(str, named))})")
-    return texts
-
-
-def pack_blocks(texts: list[str], tokenizer, block_size: int, progress: bool = False) -> torch.Tensor:
-    """
-    Tokenize, join the documents with EOS and cut into (num_blocks, block_size); the short tail is dropped. `progress`
-    shows a progress bar.
-    """
-    token_ids = []
-    for text in tqdm(texts, desc="tokenizing", unit=" documents", disable=not progress):
-        token_ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-        if tokenizer.eos_token_id is not None:
-            token_ids.append(tokenizer.eos_token_id)
-    num_blocks = len(token_ids) // block_size
-    if num_blocks < 2:
-        raise DualFlowUserError(
-            f"the data has {len(token_ids)} tokens: at least 2 blocks of --block-size {block_size} are needed "
-            "(more text or a smaller --block-size)"
-        )
-    return torch.tensor(token_ids[: num_blocks * block_size]).view(num_blocks, block_size)
+from .training_data import blocks_for_steps, load_data, pack_data
 
 
 def split_blocks(blocks: torch.Tensor, eval_fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shuffle the blocks with `seed` and hold out `eval_fraction` of them (at least one) for evaluation."""
+    """
+    Shuffle the blocks (along the first dimension: token blocks, or input ids and labels stacked) with `seed` and
+    hold out `eval_fraction` of them (at least one) for evaluation.
+    """
     if not 0 < eval_fraction < 1:
         raise DualFlowUserError(f"--eval-fraction must be in (0, 1), got {eval_fraction}")
     order = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(seed))
@@ -137,8 +56,13 @@ def split_blocks(blocks: torch.Tensor, eval_fraction: float, seed: int = 0) -> t
 
 
 def as_examples(blocks: torch.Tensor) -> list[dict]:
-    """Causal-LM examples (the model shifts the labels itself)."""
-    return [{"input_ids": block, "labels": block} for block in blocks]
+    """
+    Causal-LM examples (the model shifts the labels itself) of token blocks (num_blocks, block_size), trained on every
+    token, or of input ids and labels stacked (num_blocks, 2, block_size).
+    """
+    if blocks.dim() == 2:
+        return [{"input_ids": block, "labels": block} for block in blocks]
+    return [{"input_ids": input_ids, "labels": labels} for input_ids, labels in blocks]
 
 
 # This package's choices where TrainingArguments' own defaults differ; any field can be overridden. Checkpoints are
@@ -464,6 +388,16 @@ def _bytes_to_write(model, lora: bool, trainer: Trainer, num_blocks: int, folder
     return weights + saves * checkpoint
 
 
+def _blocks_needed(streaming: bool, eval_fraction: float, training_arguments: dict) -> int | None:
+    """How many blocks to read from a stream: those --max-steps trains on and the eval share; None: all the data."""
+    arguments = {**TRAINER_DEFAULTS, **training_arguments}
+    if not streaming or arguments.get("max_steps", -1) <= 0:
+        return None
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    batch = arguments["per_device_train_batch_size"] * arguments.get("gradient_accumulation_steps", 1) * world_size
+    return blocks_for_steps(arguments["max_steps"], batch, eval_fraction)
+
+
 def _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments):
     """One-line errors for numbers that torch, PEFT or Trainer would fail on with a traceback, or that train nothing."""
     arguments = {**TRAINER_DEFAULTS, **training_arguments}
@@ -500,6 +434,9 @@ def finetune(
     lora_dropout: float = 0.0,
     target_modules: list[str] | None = None,
     text_field: str = "text",
+    data_split: str = "train",
+    data_config: str | None = None,
+    streaming: bool = False,
     eval_blocks_max: int | None = None,
     data_name: str | None = None,
     **training_arguments,
@@ -509,8 +446,9 @@ def finetune(
     `AutoModelForCausalLM`, also as remote code) or, with `lora`, the adapter (load it with `peft.PeftModel.from_pretrained`).
     `training_arguments` go to `make_trainer` (`resume_from_checkpoint` to `Trainer.train`). Trainer writes its
     checkpoints into `output_dir` as `checkpoint-N`; a run stopped early (Ctrl-C, an error) keeps the complete ones
-    there, and calling again with the same `output_dir` goes on from the last one. `data_name`: how the model card
-    names the training data (local file names are not published).
+    there, and calling again with the same `output_dir` goes on from the last one. `data_path`, `text_field`,
+    `data_split`, `data_config`, `streaming`: the data, as `dualflow.training_data.load_data` reads it. `data_name`:
+    how the model card names the training data (local file names are not published).
     """
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
@@ -520,7 +458,7 @@ def finetune(
     if lora and not 0 <= lora_dropout < 1:
         raise DualFlowUserError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
     resume = training_arguments.pop("resume_from_checkpoint", None)
-    texts = read_texts(data_path, text_field)
+    sources = load_data(data_path, text_field, data_split, data_config, streaming)
     config = load_dualflow_config(model_path)
     tokenizer = load_tokenizer(model_path)
     block_size = min(block_size, config.max_position_embeddings)
@@ -530,15 +468,19 @@ def finetune(
         with checkpoints_kept_on_failure(folder, run):
             resume = _checkpoint_to_resume(folder, resume)
             _remove_leftovers(folder)
-            blocks = pack_blocks(texts, tokenizer, block_size, progress=True)
-            if int(blocks.max()) >= config.vocab_size:
+            input_ids, labels = pack_data(
+                sources, tokenizer, block_size, _blocks_needed(streaming, eval_fraction, training_arguments), True
+            )
+            if int(input_ids.max()) >= config.vocab_size:
                 raise DualFlowUserError(
-                    f"the tokenizer gives token id {int(blocks.max())}, outside the model's vocabulary (vocab_size "
+                    f"the tokenizer gives token id {int(input_ids.max())}, outside the model's vocabulary (vocab_size "
                     f"{config.vocab_size}): the tokenizer in {model_path} does not belong to this model"
                 )
-            train_blocks, eval_blocks = split_blocks(blocks, eval_fraction)
+            # (num_blocks, 2, block_size): each block's input ids and labels (-100 outside a chat's assistant turns)
+            train_blocks, eval_blocks = split_blocks(torch.stack((input_ids, labels), dim=1), eval_fraction)
             print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
-            measured = eval_blocks[:eval_blocks_max]  # the blocks the NLL before / after training is measured on
+            # The blocks the NLL before / after training is measured on, at every token.
+            measured = eval_blocks[:eval_blocks_max, 0]
             if not len(measured):
                 print("eval NLL before / after: not measured (--eval-blocks 0)")
             elif len(measured) < len(eval_blocks):

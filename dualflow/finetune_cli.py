@@ -85,7 +85,7 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
     parser = FinetuneParser(
         prog=prog,
         usage=USAGE,
-        description="Fine-tune a Dual-Flow model on a text corpus with transformers.Trainer: all weights (default), "
+        description="Fine-tune a Dual-Flow model on text or chat data with transformers.Trainer: all weights (default), "
         "--aux-only or --lora.",
         epilog=TRAINER_FLAGS,
         allow_abbrev=False,  # a prefix of one of our flags must not swallow a Trainer flag
@@ -95,8 +95,24 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
         "--data",
         required=True,
         nargs="+",
-        help='FILE.txt (one document), FILE.jsonl (one {"text": ...} per line) or a folder of such files; several '
-        "may be given",
+        help="data files (.txt, .jsonl, .json, .parquet, .csv, .tsv, .arrow), folders, saved datasets or Hub dataset "
+        "ids; rows hold a text or a chat (messages)",
+    )
+    parser.add_argument(
+        "--data-split",
+        "--data_split",
+        default="train",
+        help="split of a dataset (train)",
+    )
+    parser.add_argument(
+        "--data-config",
+        "--data_config",
+        help="config (subset) of a dataset",
+    )
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read the data as it is packed; with --max-steps, only what those steps need",
     )
     parser.add_argument(
         "--data-name",
@@ -107,7 +123,7 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
         "--text-field",
         "--text_field",
         default="text",
-        help='the field of each .jsonl line that holds its text ("text")',
+        help='the field that holds a row\'s text ("text")',
     )
     parser.add_argument(
         "--output-dir", "--output_dir", help="where to save the result (default: ./<model name>-finetuned or -lora)"

@@ -54,6 +54,11 @@ class DataSource:
     rows: Iterable[dict]  # a Dataset, an IterableDataset, or a .txt file's one row
     text_field: str
 
+    @classmethod
+    def of_texts(cls, texts: Iterable[str], name: str = "texts") -> "DataSource":
+        """Texts in memory, one document each."""
+        return cls(name, [{"text": text} for text in texts], "text")
+
     def documents(self) -> Iterator[tuple[int, str | list[dict]]]:
         """(row index, document) of every row: a text, or a conversation (its list of messages)."""
         index = -1

@@ -1,5 +1,5 @@
 """
-pytest setup only: a hermetic remote-code cache and an offline Hub per test session, a fixed seed per test. The code
+pytest setup only: a hermetic remote-code cache and datasets cache and an offline Hub per test session, a fixed seed per test. The code
 the test modules share lives in helpers.py.
 """
 
@@ -12,6 +12,10 @@ import tempfile
 if "HF_MODULES_CACHE" not in os.environ:
     _modules_cache = tempfile.TemporaryDirectory(prefix="dualflow-hf-modules-")
     os.environ["HF_MODULES_CACHE"] = _modules_cache.name
+# `datasets` converts local data files into Arrow tables in its cache: a private one too, removed the same way.
+if "HF_DATASETS_CACHE" not in os.environ:
+    _datasets_cache = tempfile.TemporaryDirectory(prefix="dualflow-hf-datasets-")
+    os.environ["HF_DATASETS_CACHE"] = _datasets_cache.name
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -35,7 +35,7 @@ from transformers import (
 )
 
 from dualflow.cli import main as dualflow_main
-from dualflow.finetune import pack_blocks
+from dualflow.training_data import DataSource, pack_data
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 
 
@@ -240,7 +240,12 @@ def stdlib_text(*names: str, chars: int = 40_000) -> str:
 
 
 def stdlib_blocks(block_size: int, chars: int = 40_000) -> torch.Tensor:
-    return pack_blocks([stdlib_text("inspect.py", "textwrap.py", chars=chars)], ByT5Tokenizer(), block_size)
+    return pack_texts([stdlib_text("inspect.py", "textwrap.py", chars=chars)], ByT5Tokenizer(), block_size)
+
+
+def pack_texts(texts: list[str], tokenizer, block_size: int) -> torch.Tensor:
+    """`dualflow finetune`'s blocks of plain texts (every token trained on, so the labels are the input ids)."""
+    return pack_data([DataSource.of_texts(texts)], tokenizer, block_size)[0]
 
 
 def byte_model(seed: int = 0, **overrides):

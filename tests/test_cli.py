@@ -112,7 +112,8 @@ def test_help_trainer_lists_trainer_flags_and_is_cached(tmp_path, monkeypatch):
 
 def test_finetune_help_and_errors_are_short():
     completed = run_cli("finetune", "--help")
-    assert len(completed.stdout.splitlines()) < 60 and "--help-trainer" in completed.stdout
+    # our own flags only (a screenful): Trainer's hundred-odd are behind --help-trainer
+    assert len(completed.stdout.splitlines()) < 70 and "--help-trainer" in completed.stdout
     assert completed.stdout.index("--data") < completed.stdout.index("--help-trainer")
     completed = run_cli("finetune")  # no model, no --data: the short usage and one error line
     assert completed.returncode == 2

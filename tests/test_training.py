@@ -27,7 +27,7 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
 from dualflow.aux_training import freeze_for_aux_training
-from dualflow.finetune import complete_checkpoints, finetune, make_trainer, read_texts, split_blocks
+from dualflow.finetune import complete_checkpoints, finetune, make_trainer, split_blocks
 from dualflow.output_folder import UNFINISHED_MARKER
 
 
@@ -287,9 +287,9 @@ def test_aux_only_bf16_measures_before_and_after_alike(model_dir, tmp_path):
 @pytest.mark.parametrize(
     "name, content, message",
     [
-        ("bad.jsonl", '{"text": "fine"}\n{"body": "no text field"}\n', 'bad.jsonl:2 has no string "text" field'),
-        ("broken.jsonl", '{"text": "fine"}\n{"text": \n', "broken.jsonl:2 is not valid JSON"),
-        ("data.csv", "text\nhello\n", "must end in .txt"),
+        ("bad.jsonl", '{"text": "fine"}\n{"body": "no text field"}\n', 'bad.jsonl, row 1: no "text" field'),
+        ("broken.jsonl", '{"text": "fine"}\n{"text": \n', "broken.jsonl: JSON parse error"),
+        ("data.csv", "body\nhello\n", 'data.csv, row 0: no "text" field'),
         ("short.txt", "too short", "at least 2 blocks"),
     ],
 )
@@ -377,19 +377,8 @@ def test_finetune_cli_truncated_weights_and_empty_data_folder_are_one_line_error
     assert run_finetune(model_dir, "--data", tmp_path / "empty", "--output-dir", out) == 2
     assert (
         capsys.readouterr().err
-        == f"dualflow finetune: error: data folder {tmp_path / 'empty'} holds no .txt or .jsonl file\n"
+        == f"dualflow finetune: error: data folder {tmp_path / 'empty'} holds no data file (.txt, .jsonl, .json, .parquet, .csv, .tsv, .arrow)\n"
     )
-
-
-def test_read_texts_of_a_folder(tmp_path):
-    (tmp_path / "b.txt").write_text("second")
-    (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "x.jsonl").write_text('{"text": "first"}\n\n{"text": "also first"}\n')
-    (tmp_path / ".cache").mkdir()
-    (tmp_path / ".cache" / "c.txt").write_text("hidden: left out")
-    (tmp_path / "notes.md").write_text("not a data file: left out")
-    assert read_texts(tmp_path) == ["first", "also first", "second"]
-    assert read_texts([tmp_path / "b.txt", tmp_path / "a"]) == ["second", "first", "also first"]
 
 
 def test_finetune_cli_needs_tokenizer_and_empty_output(tmp_path, model_dir, capsys):
@@ -787,3 +776,34 @@ def test_resuming_a_run_stopped_after_its_last_step_trains_no_step_more(model_di
     result = AutoModelForCausalLM.from_pretrained(out)
     last = AutoModelForCausalLM.from_pretrained(out / "checkpoint-3")
     assert all(torch.equal(parameter, last.get_parameter(name)) for name, parameter in result.named_parameters())
+
+
+def test_finetune_reads_chat_rows_from_parquet_streamed(model_dir, tmp_path, capsys):
+    # A chat data set as users bring it: parquet rows with a `messages` list, read with `datasets` as a stream.
+    import pyarrow
+    import pyarrow.parquet
+
+    model = tmp_path / "chat-model"
+    shutil.copytree(model_dir, model)
+    tokenizer = ByT5Tokenizer.from_pretrained(model)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+        "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    )
+    tokenizer.save_pretrained(model)
+    text = stdlib_text("textwrap.py", chars=6000)
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": text[i : i + 40]},
+                {"role": "assistant", "content": text[i + 40 : i + 100]},
+            ]
+        }
+        for i in range(0, 5900, 100)
+    ]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "chats.parquet")
+    out = tmp_path / "out"
+    argv = ["--data", tmp_path / "chats.parquet", "--streaming", "--output-dir", out, "--block-size", 64]
+    assert run_finetune(model, *argv, "--batch-size", 4, "--max-steps", 2, "--disable-tqdm", "true") == 0
+    assert "data: " in capsys.readouterr().out
+    AutoModelForCausalLM.from_pretrained(out)

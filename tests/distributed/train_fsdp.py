@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 from transformers import ByT5Tokenizer
 from transformers.distributed import DistributedConfig
 
-from dualflow.finetune import make_trainer, pack_blocks, split_blocks
+from dualflow.finetune import make_trainer, split_blocks
+from dualflow.training_data import DataSource, pack_data
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -33,7 +34,7 @@ BLOCK_SIZE = 32
 def stdlib_blocks():
     """Byte-level blocks of a Python stdlib source file: real text that needs no download."""
     text = Path(inspect.__file__).read_text(encoding="utf-8")[:20_000]
-    return pack_blocks([text], ByT5Tokenizer(), BLOCK_SIZE)
+    return pack_data([DataSource.of_texts([text])], ByT5Tokenizer(), BLOCK_SIZE)[0]
 
 
 def sharded_fraction(model) -> float:
