@@ -422,8 +422,12 @@ def positions_to_keep(logits_to_keep: int | torch.Tensor, seq_len: int, device: 
     if isinstance(logits_to_keep, torch.Tensor):
         positions = logits_to_keep.to(device=device, dtype=torch.long).reshape(-1)
         positions = torch.where(positions < 0, positions + seq_len, positions)
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= seq_len):
-            raise ValueError(f"logits_to_keep holds indices outside [0, {seq_len})")
+        # Checked only where reading it is free, as the ids are: on an accelerator it would stall the step on a
+        # device-to-host copy (continuous batching passes a tensor every step), compiled it would split the graph.
+        if positions.numel() and positions.device.type == "cpu" and not is_torchdynamo_compiling():
+            low, high = torch.stack(torch.aminmax(positions)).tolist()
+            if low < 0 or high >= seq_len:
+                raise ValueError(f"logits_to_keep holds indices outside [0, {seq_len})")
         return positions, False  # a tensor may reorder or repeat positions
     if logits_to_keep < 0:
         raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")

@@ -6,6 +6,7 @@ tensor `logits_to_keep`, and activation checkpointing with a user cache.
 
 import pytest
 import torch
+import torch._dynamo
 from helpers import tiny_model
 from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation import GenerationMixin
@@ -13,7 +14,7 @@ from transformers.generation.continuous_batching import continuous_api
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from modeling_dualflow import DualFlowCache
-from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowExperts
+from modeling_dualflow.modeling_dualflow import CACHE_FIELD, DualFlowExperts, positions_to_keep
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -165,3 +166,33 @@ class TestExpertsKernels:
         model.set_experts_implementation("dualflow_test_experts")
         torch.testing.assert_close(model(input_ids).logits, outputs["grouped_mm"].logits, rtol=0, atol=0)
         assert len(calls) == model.config.num_hidden_layers  # one call per MoE layer: both flows together
+
+
+class TestTensorLogitsToKeep:
+    """A tensor `logits_to_keep` (continuous batching passes one every step) is used as it is: no host read."""
+
+    @pytest.mark.parametrize("attn", ["sdpa", "eager"])
+    def test_a_forward_compiles_to_one_graph(self, attn):
+        model = tiny_model(attn_implementation=attn, aux_num_experts_per_tok=3)
+        input_ids = torch.randint(1, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+        logits_to_keep = torch.tensor([1, 3, -1])
+
+        def forward(input_ids, logits_to_keep):
+            outputs = model(input_ids, logits_to_keep=logits_to_keep)
+            return outputs.logits, outputs.primary_logits
+
+        with torch.no_grad():
+            explanation = torch._dynamo.explain(forward)(input_ids, logits_to_keep)
+            assert explanation.graph_break_count == 0, [str(reason.reason) for reason in explanation.break_reasons]
+            compiled = torch.compile(forward, fullgraph=True, backend="eager")(input_ids, logits_to_keep)
+            expected = forward(input_ids, logits_to_keep)
+        assert expected[0].shape == (2, 3, 97)
+        for actual, wanted in zip(compiled, expected):
+            torch.testing.assert_close(actual, wanted, rtol=0, atol=1e-6)
+
+    def test_the_indices_are_checked_only_where_reading_them_is_free(self):
+        with pytest.raises(ValueError, match="logits_to_keep holds indices outside"):
+            positions_to_keep(torch.tensor([1, 9]), 4, torch.device("cpu"))
+        # a meta tensor has no values to read: reading them would raise
+        positions, every_position = positions_to_keep(torch.tensor([1, -1, 9]), 4, torch.device("meta"))
+        assert positions.device.type == "meta" and positions.shape == (3,) and not every_position
