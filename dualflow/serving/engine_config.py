@@ -3,6 +3,7 @@
 from transformers import PreTrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from .engine_allowlist import HF_OVERRIDES_TESTED, refusal
 from .kv_transfer import use_connector_without_kv_sharing_layers, uses_kv_connector
 from .vllm_internals import check_vllm_version
 
@@ -102,6 +103,13 @@ def check_supported(config, vllm_config) -> None:
     # tested ones run as subclasses that skip them (kv_transfer.py), the others are refused.
     if uses_kv_connector(vllm_config):
         use_connector_without_kv_sharing_layers(vllm_config.kv_transfer_config)
+        # The ExampleConnector names its files by layer, not by rank: tensor-parallel ranks overwrite each other's KV.
+        if parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "Dual-Flow in vLLM does not run the ExampleConnector with tensor_parallel_size="
+                f"{parallel.tensor_parallel_size} (its files carry no rank: the ranks overwrite each other's KV): "
+                "use tensor_parallel_size=1"
+            )
     if vllm_config.lora_config is not None:
         raise ValueError("Dual-Flow in vLLM does not serve LoRA adapters: start without enable_lora")
     if config.use_aux_flow and vllm_config.model_config.enable_prompt_embeds:
@@ -123,6 +131,19 @@ def check_supported(config, vllm_config) -> None:
             f"(rank {checkpoint_rank}); the rank is set at conversion (`dualflow convert --aux-adapter-rank`)"
         )
     config.check_aux_settings(config.aux_num_experts_per_tok, config.aux_num_rounds)
+    hf_overrides = vllm_config.model_config.hf_overrides
+    if callable(hf_overrides) or not set(hf_overrides) <= HF_OVERRIDES_TESTED:
+        overridden = (
+            "a function" if callable(hf_overrides) else ", ".join(sorted(set(hf_overrides) - HF_OVERRIDES_TESTED))
+        )
+        raise ValueError(
+            f"Dual-Flow in vLLM does not serve hf_overrides of {overridden}: the overrides run with this model are "
+            f"{', '.join(sorted(HF_OVERRIDES_TESTED))}; change other fields by converting the checkpoint"
+        )
+    # Everything else in the engine configuration: vLLM's default, a tested value, inert or derived (fail closed).
+    refused = refusal(vllm_config)
+    if refused:
+        raise ValueError(refused)
 
 
 # Engine option (`hf_overrides`, not a checkpoint field): run the aux flow at every scheduled token, not only at the

@@ -1,0 +1,175 @@
+"""The engine configuration fails closed: every field of vLLM's `VllmConfig` (recursively) is classified in
+dualflow/serving/engine_allowlist.py, a setting outside the classification is refused in one line naming the field, and
+the configurations the other tests run still build. Configurations are built, no engine starts."""
+
+import dataclasses
+import typing
+
+import pytest
+from test_vllm_support_matrix import SetOnBuilt, engine_config, raised_by_the_model
+from vllm.config import VllmConfig
+from vllm_reference import ADAPTER_RANK, PREFIX_CACHING_AND_CHUNKED_PREFILL
+
+from dualflow.serving import engine_allowlist
+from dualflow.serving.engine_allowlist import ENGINE_FIELDS, classification
+from dualflow.serving.engine_config import check_supported
+
+
+def config_dataclasses(annotation) -> list[type]:
+    """The vLLM config dataclasses a field's annotation names (`X | None`, `Optional[X]`, ...)."""
+    candidates = [annotation, *typing.get_args(annotation)]
+    return [c for c in candidates if isinstance(c, type) and dataclasses.is_dataclass(c)]
+
+
+def engine_field_paths(config_class: type = VllmConfig, prefix: str = "") -> list[str]:
+    """Every field's dotted path (a sub-config's too when it is classified as a whole), and its sub-configs' fields."""
+    paths = []
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        path = prefix + field.name
+        sub_configs = config_dataclasses(hints[field.name])
+        if path in ENGINE_FIELDS or not sub_configs:
+            paths.append(path)
+        for sub_config in sub_configs:
+            paths += engine_field_paths(sub_config, path + ".")
+    return paths
+
+
+def test_every_field_of_vllms_engine_config_is_classified():
+    # A vLLM release that adds a field fails here until someone decides what it is (engine_allowlist.py).
+    unclassified = [path for path in engine_field_paths() if classification(path) is None]
+    assert unclassified == []
+
+
+def test_every_classified_field_exists_in_vllm():
+    # An entry vLLM no longer has would let a renamed field pass unnoticed.
+    assert set(ENGINE_FIELDS) - set(engine_field_paths()) == set()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+EXAMPLE_CONNECTOR = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": "/tmp"}}
+
+# The configurations tests/vllm runs (vllm_reference.ENGINE_ARGS under each): they must keep building.
+TESTED_CONFIGURATIONS = {
+    "defaults": {},
+    "prefix caching and chunked prefill": PREFIX_CACHING_AND_CHUNKED_PREFILL,
+    "no prefix caching": {"enable_prefix_caching": False},
+    "tensor parallelism": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "n-gram speculation": {"speculative_config": NGRAM},
+    "Inductor": {"compilation_config": {"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"}},
+    "eager": {"enforce_eager": True},
+    "piecewise graphs": {
+        "compilation_config": {
+            "mode": "VLLM_COMPILE",
+            "backend": "eager",
+            "cudagraph_mode": "PIECEWISE",
+            "cudagraph_capture_sizes": [1, 2, 4, 8],
+            "pass_config": {"fuse_norm_quant": False, "fuse_act_quant": False},
+        }
+    },
+    "bfloat16": {"dtype": "bfloat16"},
+    "P/D producer": {"kv_transfer_config": {**EXAMPLE_CONNECTOR, "kv_role": "kv_producer"}},
+    "P/D consumer": {
+        "kv_transfer_config": {**EXAMPLE_CONNECTOR, "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
+    },
+    "primary flow only": {"hf_overrides": {"use_aux_flow": False}},
+    "aux top-k and every prompt position": {
+        "hf_overrides": {"aux_num_experts_per_tok": 3, "aux_at_every_prompt_position": True},
+        "max_model_len": 128,
+        "seed": 7,
+        "block_size": 16,
+    },
+}
+
+
+@pytest.mark.parametrize("engine_args", TESTED_CONFIGURATIONS.values(), ids=TESTED_CONFIGURATIONS)
+def test_the_tested_configurations_build(checkpoint, engine_args):
+    built = engine_config(checkpoint, **engine_args)
+    check_supported(built.model_config.hf_config, built)  # the built configuration too (vLLM filled the rest)
+
+
+def test_a_checkpoint_with_rounds_and_adapters_builds(adapter_checkpoint):
+    engine_config(adapter_checkpoint, hf_overrides={"aux_num_rounds": 2, "aux_adapter_rank": ADAPTER_RANK})
+
+
+# Settings outside the classification, and the explicit refusals of issue 55: (engine options, or an option set on a
+# built configuration where vLLM's CPU build refuses it first) -> the start of the one-line refusal.
+REFUSED = {
+    "CPU weight offload": ({"cpu_offload_gb": 1}, "offload_config.uva.cpu_offload_gb=1.0 (vLLM's default: 0)"),
+    "prefetch offload": (
+        {"offload_group_size": 2, "offload_num_in_group": 1},
+        "offload_config.prefetch.offload_group_size=2 (vLLM's default: 0)",
+    ),
+    "routed-experts capture": (
+        SetOnBuilt("aux_output_config", "enable_return_routed_experts", True),
+        "aux_output_config.enable_return_routed_experts=True (vLLM's default: False): vLLM's routed-experts capturer",
+    ),
+    "pooling runner": ({"runner": "pooling"}, "model_config.runner='pooling': the pooling runner would return"),
+    "pooling adapter": ({"convert": "embed"}, "model_config.convert='embed': the pooling runner would return"),
+    "GPU n-gram speculation": (
+        {"speculative_config": {**NGRAM, "method": "ngram_gpu"}},
+        "speculative_config.method='ngram_gpu': only n-gram speculation has run",
+    ),
+    "quantisation": (
+        {"quantization": "fp8", "dtype": "bfloat16"},
+        "model_config.quantization='fp8' (vLLM's default: None): no quantised Dual-Flow checkpoint has been served",
+    ),
+    "dummy weights": ({"load_format": "dummy"}, "load_config.load_format='dummy' (vLLM's default: 'auto')"),
+    "another model implementation": (
+        SetOnBuilt("model_config", "model_impl", "transformers"),
+        "model_config.model_impl='transformers' (vLLM's default: 'auto'): it would serve another implementation",
+    ),
+    "untested tensor-parallel size": (
+        {"tensor_parallel_size": 4},
+        r"parallel_config.tensor_parallel_size=4: the values run with this model are 1, 2",
+    ),
+    "float16": ({"dtype": "float16"}, "model_config.dtype=torch.float16: the values run with this model are"),
+    "optimisation level": ({"optimization_level": 3}, "optimization_level=<OptimizationLevel.O3: 3>"),
+    "hf_overrides of a checkpoint field": (
+        {"hf_overrides": {"num_experts_per_tok": 4}},
+        "hf_overrides of num_experts_per_tok: the overrides run with this model are",
+    ),
+    "the ExampleConnector under tensor parallelism": (
+        {"tensor_parallel_size": 2, "kv_transfer_config": {**EXAMPLE_CONNECTOR, "kv_role": "kv_producer"}},
+        "does not run the ExampleConnector with tensor_parallel_size=2 (its files carry no rank",
+    ),
+}
+
+
+def refusal_of(checkpoint, case, monkeypatch) -> str:
+    with pytest.raises(ValueError) as refused:
+        if isinstance(case, SetOnBuilt):
+            built = engine_config(checkpoint)
+            monkeypatch.setattr(getattr(built, case.section), case.field, case.value)
+            check_supported(built.model_config.hf_config, built)
+        else:
+            engine_config(checkpoint, **case)
+    return str(raised_by_the_model(refused.value))
+
+
+@pytest.mark.parametrize(("case", "message"), REFUSED.values(), ids=REFUSED)
+def test_a_setting_outside_the_classification_is_refused_in_one_line(checkpoint, case, message, monkeypatch):
+    error = refusal_of(checkpoint, case, monkeypatch)
+    assert error.startswith("Dual-Flow in vLLM does ") and "\n" not in error
+    assert message in error, error
+
+
+@pytest.mark.parametrize("method", ["draft_model", "suffix", "eagle", "mtp", "custom_class"])
+def test_speculative_methods_other_than_ngram_are_refused(checkpoint, method, monkeypatch):
+    # vLLM checks the draft model (or Arctic Inference) before the model's hook: set on a built n-gram configuration
+    built = engine_config(checkpoint, speculative_config=NGRAM)
+    monkeypatch.setattr(built.speculative_config, "method", method)
+    with pytest.raises(ValueError, match=rf"^Dual-Flow in vLLM does not serve speculative_config.method='{method}'"):
+        check_supported(built.model_config.hf_config, built)
+
+
+def test_an_unclassified_field_is_refused_when_set(checkpoint, monkeypatch):
+    # What a vLLM upgrade's new field meets before the classification test is updated: refused, not accepted.
+    monkeypatch.delitem(ENGINE_FIELDS, "cache_config.kv_cache_memory_bytes")
+    error = refusal_of(checkpoint, {"kv_cache_memory_bytes": 2**26}, monkeypatch)
+    assert error == (
+        "Dual-Flow in vLLM does not serve cache_config.kv_cache_memory_bytes=67108864 (vLLM's default: None): "
+        "this vLLM field is not classified in dualflow/serving/engine_allowlist.py"
+    )
+    monkeypatch.undo()
+    assert engine_allowlist.refusal(engine_config(checkpoint, kv_cache_memory_bytes=2**26)) is None  # inert
