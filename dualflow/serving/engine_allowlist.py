@@ -99,7 +99,9 @@ ENGINE_FIELDS = {
     "model_config.disable_sliding_window": AtDefault("Dual-Flow checkpoints have no sliding window: start without it"),
     "model_config.disable_cascade_attn": AtDefault(),
     "model_config.skip_tokenizer_init": Inert("whether the engine detokenises"),
-    "model_config.enable_prompt_embeds": Tested((False,), "every engine test"),
+    "model_config.enable_prompt_embeds": AtDefault(
+        "prompt embeddings have never run with this model: start without enable_prompt_embeds"
+    ),
     "model_config.served_model_name": Inert("the name the server reports"),
     "model_config.config_format": AtDefault(),
     "model_config.hf_token": Inert("Hub credentials"),
@@ -128,7 +130,7 @@ ENGINE_FIELDS = {
     "cache_config.kv_cache_layout": AtDefault(),
     "cache_config.prefix_match_unit": Derived("block_size"),
     "cache_config.gpu_memory_utilization": Inert("the memory budget of the KV cache"),
-    "cache_config.cache_dtype": Tested(("auto",), "every engine test"),
+    "cache_config.cache_dtype": AtDefault("a quantised KV cache is refused: start with kv_cache_dtype='auto'"),
     "cache_config.is_attention_free": Derived("the model's layers"),
     "cache_config.num_gpu_blocks_override": Inert("the KV cache's capacity"),
     "cache_config.sliding_window": Derived("the checkpoint (none)"),

@@ -140,6 +140,12 @@ def check_supported(config, vllm_config) -> None:
             f"Dual-Flow in vLLM does not serve hf_overrides of {overridden}: the overrides run with this model are "
             f"{', '.join(sorted(HF_OVERRIDES_TESTED))}; change other fields by converting the checkpoint"
         )
+    # vLLM 0.33 picks its model runner V2 on a GPU where Triton is present; its capture and fast-prefill code differ.
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise ValueError(
+            "Dual-Flow in vLLM has not run on vLLM's model runner V2 (the GPU default where Triton is present): "
+            "start with VLLM_USE_V2_MODEL_RUNNER=0"
+        )
     # Everything else in the engine configuration: vLLM's default, a tested value, inert or derived (fail closed).
     refused = refusal(vllm_config)
     if refused:

@@ -1,7 +1,9 @@
-"""The support matrix in docs/serving.md held against the engine configuration: every engine option it calls refused is
-refused in one line while vLLM builds the configuration (no engine starts), and every compilation pass it calls turned
-off is off in the built configuration, even where vLLM's defaults would switch it on. The matrix is read from the
-document, so a row cannot be marked refused or turned off without a case here."""
+"""The support matrix in docs/serving.md held against the engine configuration and its allowlist
+(dualflow/serving/engine_allowlist.py): every field a row names is classified as the row's status says, every tested
+field is named in a row, every feature the matrix calls refused is refused in one line while vLLM builds the
+configuration (no engine starts), and every compilation pass it calls turned off is off in the built configuration,
+even where vLLM's defaults would switch it on. The matrix is read from the document, so a row cannot be marked refused
+or turned off without a case here."""
 
 import re
 from dataclasses import dataclass
@@ -13,11 +15,20 @@ from vllm.config.vllm import OPTIMIZATION_LEVEL_TO_CONFIG
 from vllm.engine.arg_utils import EngineArgs
 from vllm_reference import ENGINE_ARGS
 
+from dualflow.serving.engine_allowlist import ENGINE_FIELDS, Derived, Tested
 from dualflow.serving.engine_config import TOKEN_SIZED_PASSES, check_supported
 
 
 SERVING_DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
-STATUSES = {"tested on CPU", "simulated", "refused", "turned off", "never run"}
+# What the allowlist classifies a field a row names as, by the row's status; refused rows may name any classified field
+# (a value of it, or a combination, is refused).
+STATUS_CLASSES = {
+    "tested on CPU": Tested,
+    "simulated": Tested,
+    "turned off": Tested,
+    "derived": Derived,
+    "refused": object,
+}
 
 
 @dataclass(frozen=True)
@@ -28,6 +39,14 @@ class SetOnBuilt:
     section: str
     field: str
     value: object
+
+
+@dataclass(frozen=True)
+class WithEnvironment:
+    """An environment variable set before the model's check runs on a built configuration."""
+
+    name: str
+    value: str
 
 
 KV_CONNECTOR = {
@@ -74,8 +93,73 @@ REFUSED = {
         )
         for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2")
     ],
-    "Full CUDA graphs for steps that mix prefill and decode, with the aux flow": [
-        ({"compilation_config": {"cudagraph_mode": "FULL"}}, r"full CUDA graphs \(cudagraph_mode=FULL\): use")
+    "Full CUDA graphs for steps that mix prefill and decode": [
+        ({"compilation_config": {"cudagraph_mode": "FULL"}}, r"full CUDA graphs \(cudagraph_mode=FULL\): use"),
+        (
+            {"compilation_config": {"cudagraph_mode": "FULL"}, "hf_overrides": {"use_aux_flow": False}},
+            r"compilation_config.cudagraph_mode=<CUDAGraphMode.FULL: 2>: the values run with this model are",
+        ),
+    ],
+    'The pooling runner, pooling adapters (`runner="pooling"`, `convert="embed"`, ...)': [
+        ({"runner": "pooling"}, "model_config.runner='pooling': the pooling runner would return the aux flow's"),
+        ({"convert": "embed"}, "model_config.convert='embed': the pooling runner would return the aux flow's"),
+    ],
+    "Tensor parallelism above 2": [
+        ({"tensor_parallel_size": 4}, r"parallel_config.tensor_parallel_size=4: the values run with this model")
+    ],
+    "Prompt embeddings with `use_aux_flow: false`": [
+        (
+            {"enable_prompt_embeds": True, "hf_overrides": {"use_aux_flow": False}},
+            r"model_config.enable_prompt_embeds=True \(vLLM's default: False\): prompt embeddings have never run",
+        )
+    ],
+    "Routed-experts capture": [
+        (
+            SetOnBuilt("aux_output_config", "enable_return_routed_experts", True),
+            "aux_output_config.enable_return_routed_experts=True .*: vLLM's routed-experts capturer asserts",
+        )
+    ],
+    "The ExampleConnector with tensor parallelism": [
+        (
+            {
+                "tensor_parallel_size": 2,
+                "kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_producer"},
+            },
+            r"does not run the ExampleConnector with tensor_parallel_size=2 \(its files carry no rank",
+        )
+    ],
+    "KV cache offloading": [
+        (SetOnBuilt("cache_config", "kv_offloading_size", 4.0), r"cache_config.kv_offloading_size=4.0 \(vLLM's default")
+    ],
+    "CPU weight offload (UVA or prefetch)": [
+        ({"cpu_offload_gb": 1}, r"offload_config.uva.cpu_offload_gb=1.0 .*CPU weight offload has never run"),
+        (
+            {"offload_group_size": 2, "offload_num_in_group": 1},
+            r"offload_config.prefetch.offload_group_size=2 .*CPU weight offload has never run",
+        ),
+    ],
+    "Quantised checkpoints or online quantisation (fp8, AWQ, GPTQ, ...)": [
+        (
+            {"quantization": "fp8", "dtype": "bfloat16"},
+            r"model_config.quantization='fp8' .*no quantised Dual-Flow checkpoint has been served",
+        )
+    ],
+    "Speculative decoding other than n-gram (`ngram_gpu`, `draft_model`, EAGLE, MTP, `suffix`, `custom_class`, ...)": [
+        (
+            {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 2}},
+            "speculative_config.method='ngram_gpu': only n-gram speculation has run with this model",
+        )
+    ],
+    "vLLM's model runner V2 (`vllm/v1/worker/gpu/`; the GPU default in vLLM 0.33 where Triton is present)": [
+        (WithEnvironment("VLLM_USE_V2_MODEL_RUNNER", "1"), "has not run on vLLM's model runner V2")
+    ],
+    "Any other field of vLLM's engine configuration away from vLLM's default (`optimization_level`, "
+    "`attention_config`, `kernel_config.moe_backend`, sleep mode, multi-node, ...)": [
+        ({"optimization_level": 3}, r"optimization_level=<OptimizationLevel.O3: 3> \(vLLM's default"),
+        (
+            SetOnBuilt("model_config", "enable_sleep_mode", True),
+            r"model_config.enable_sleep_mode=True \(vLLM's default: False\)",
+        ),
     ],
 }
 
@@ -121,11 +205,28 @@ def built(checkpoint):
     return engine_config(checkpoint)
 
 
+def named_fields(option: str) -> list[str]:
+    """The allowlist entries an engine-fields cell names (environment variables, `VLLM_...`, are not fields)."""
+    return [name for name in re.findall(r"`([^`]+)`", option) if not name.startswith("VLLM_")]
+
+
 def test_the_matrix_has_a_case_for_every_refused_row_and_only_known_statuses():
     rows = support_matrix()
-    assert {status for _, status in rows.values()} <= STATUSES
+    assert {status for _, status in rows.values()} <= set(STATUS_CLASSES)
     assert {feature for feature, (_, status) in rows.items() if status == "refused"} == set(REFUSED)
     assert turned_off_passes() == list(TOKEN_SIZED_PASSES)
+
+
+def test_the_matrix_and_the_allowlist_agree_both_ways():
+    rows = support_matrix().values()
+    for option, status in rows:
+        for name in named_fields(option):
+            assert isinstance(ENGINE_FIELDS.get(name), STATUS_CLASSES[status]), (name, status, ENGINE_FIELDS.get(name))
+    # Every value accepted because it ran is in a row that says where it ran.
+    shown_as_run = {
+        name for option, status in rows if STATUS_CLASSES[status] is Tested for name in named_fields(option)
+    }
+    assert {name for name, rule in ENGINE_FIELDS.items() if isinstance(rule, Tested)} - shown_as_run == set()
 
 
 @pytest.mark.parametrize(
@@ -135,7 +236,10 @@ def test_the_matrix_has_a_case_for_every_refused_row_and_only_known_statuses():
 )
 def test_each_refused_option_is_refused_in_one_line(case, message, checkpoint, built, monkeypatch):
     with pytest.raises(ValueError) as refused:
-        if isinstance(case, SetOnBuilt):
+        if isinstance(case, WithEnvironment):
+            monkeypatch.setenv(case.name, case.value)
+            check_supported(built.model_config.hf_config, built)
+        elif isinstance(case, SetOnBuilt):
             monkeypatch.setattr(getattr(built, case.section), case.field, case.value)
             check_supported(built.model_config.hf_config, built)
         else:
