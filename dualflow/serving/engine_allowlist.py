@@ -54,6 +54,7 @@ QUANTISED = "no quantised Dual-Flow checkpoint has been served (the quantisation
 OFFLOAD = "CPU weight offload has never run with this model: start without offloading"
 NOT_MULTIMODAL = "Dual-Flow checkpoints are text-only: start without it"
 SCHEDULING = "decides which tokens a step runs; the model's results do not depend on it (test_vllm_parity.py)"
+UNCLASSIFIED = "this vLLM field is not classified in dualflow/serving/engine_allowlist.py"
 HF_OVERRIDES_TESTED = {
     "use_aux_flow",
     "aux_num_experts_per_tok",
@@ -76,7 +77,10 @@ ENGINE_FIELDS = {
     "model_config.runner": Tested(("auto", "generate"), "every engine test", POOLING),
     "model_config.convert": Tested(("auto", "none"), "every engine test", POOLING),
     "model_config.trust_remote_code": Inert("permission to import a checkpoint's code; vLLM runs this package's model"),
-    "model_config.dtype": Tested((torch.float32, torch.bfloat16), "test_vllm_parity.py (float32), bfloat16 tests"),
+    "model_config.dtype": Tested(
+        (torch.float32, torch.bfloat16),
+        "every engine test (float32); bfloat16 is what vLLM's CPU build loads a float32 checkpoint as by default",
+    ),
     "model_config.seed": Tested(ANY, "every engine test (seed 0)"),
     "model_config.hf_config": Derived("config.json and hf_overrides, checked by check_supported"),
     "model_config.hf_text_config": Derived("hf_config"),
@@ -384,7 +388,9 @@ ENGINE_FIELDS = {
     "instance_id": Inert("a name for profiles"),
     "optimization_level": AtDefault(),
     "performance_mode": AtDefault(),
-    "weight_transfer_config": AtDefault("weight updates while serving have never run with this model"),
+    "weight_transfer_config": AtDefault(
+        "weight updates while serving have never run with this model: start without weight_transfer_config"
+    ),
     "shutdown_timeout": Inert("a timeout"),
 }
 
@@ -412,6 +418,11 @@ def field_default(field: dataclasses.Field):
     return dataclasses.MISSING
 
 
+def may_be_set(path: str) -> bool:
+    """Whether a sub-config vLLM leaves unset by default may be set: some field of it has tested values."""
+    return any(isinstance(rule, Tested) and name.startswith(path + ".") for name, rule in ENGINE_FIELDS.items())
+
+
 def refusal(config, prefix: str = "") -> str | None:
     """One line refusing the first field of `config` (a vLLM config dataclass) this table does not accept, or None."""
     for field in dataclasses.fields(config):
@@ -427,6 +438,9 @@ def refusal(config, prefix: str = "") -> str | None:
             advice = rule.advice or f"the values run with this model are {accepted} ({rule.where})"
             return f"Dual-Flow in vLLM does not serve {path}={value!r}: {advice}"
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if field_default(field) is None and not may_be_set(path):
+                advice = rule.advice if rule else UNCLASSIFIED
+                return f"Dual-Flow in vLLM does not serve {path} (set; vLLM's default: None): {advice}"
             refused = refusal(value, path + ".")
             if refused:
                 return refused
@@ -434,6 +448,6 @@ def refusal(config, prefix: str = "") -> str | None:
         default = field_default(field)
         if default is dataclasses.MISSING or value == default:
             continue
-        advice = rule.advice if rule else "this vLLM field is not classified in dualflow/serving/engine_allowlist.py"
+        advice = rule.advice if rule else UNCLASSIFIED
         return f"Dual-Flow in vLLM does not serve {path}={value!r} (vLLM's default: {default!r}): {advice}"
     return None

@@ -7,7 +7,7 @@ import typing
 
 import pytest
 from test_vllm_support_matrix import SetOnBuilt, engine_config, raised_by_the_model
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, WeightTransferConfig
 from vllm_reference import ADAPTER_RANK, PREFIX_CACHING_AND_CHUNKED_PREFILL
 
 from dualflow.serving import engine_allowlist
@@ -54,7 +54,7 @@ TESTED_CONFIGURATIONS = {
     "defaults": {},
     "prefix caching and chunked prefill": PREFIX_CACHING_AND_CHUNKED_PREFILL,
     "no prefix caching": {"enable_prefix_caching": False},
-    "tensor parallelism": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "tensor parallelism": {"tensor_parallel_size": 2},
     "n-gram speculation": {"speculative_config": NGRAM},
     "Inductor": {"compilation_config": {"mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"}},
     "eager": {"enforce_eager": True},
@@ -173,3 +173,15 @@ def test_an_unclassified_field_is_refused_when_set(checkpoint, monkeypatch):
     )
     monkeypatch.undo()
     assert engine_allowlist.refusal(engine_config(checkpoint, kv_cache_memory_bytes=2**26)) is None  # inert
+
+
+def test_a_sub_config_vllm_leaves_unset_is_refused_when_set(checkpoint, monkeypatch):
+    # At its own defaults it still asks for a feature (here weight updates while serving).
+    built = engine_config(checkpoint)
+    monkeypatch.setattr(built, "weight_transfer_config", WeightTransferConfig())
+    with pytest.raises(ValueError) as refused:
+        check_supported(built.model_config.hf_config, built)
+    assert str(refused.value) == (
+        "Dual-Flow in vLLM does not serve weight_transfer_config (set; vLLM's default: None): "
+        "weight updates while serving have never run with this model: start without weight_transfer_config"
+    )
