@@ -166,7 +166,7 @@ class DualFlowAttention(nn.Module):
                 key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
         else:
             key_states, value_states = primary_key_values
-        # The cache is updated above, as transformers' models do from 5.25 on: before, the `paged|eager` function
+        # The cache is updated above, as transformers' models do from 5.24 on: before, the `paged|eager` function
         # updated a paged cache itself. Both flows attend to the keys read back, so `paged|eager` is eager here.
         implementation = self.config._attn_implementation.removeprefix("paged|")
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)

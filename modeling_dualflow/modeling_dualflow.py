@@ -169,6 +169,7 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         masks: DualFlowMasks,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         cache: Cache | None = None,
+        past_key_values: Cache | None = None,
         aux_top_k: int | None = None,
         output_attentions: bool = False,
         **kwargs: Unpack[TransformersKwargs],
@@ -178,8 +179,11 @@ class DualFlowDecoderLayer(GradientCheckpointingLayer):
         coupled_state: (batch, P, hidden), the primary state entering this layer at the aux positions (None: no aux).
         primary_keys / primary_values: in an extra aux round, the first round's keys/values of this layer, attended to
             instead of new ones (positional, so that reentrant checkpointing gives them gradients).
+        cache / past_key_values: the cache, under the installed version's name (CACHE_FIELD): the one under which
+            `GradientCheckpointingLayer` takes it from a checkpointed layer, whose backward would write it again.
         Returns the layer output and the keys/values its attention used.
         """
+        cache = past_key_values if cache is None else cache
         extra_round = primary_keys is not None
         layer_input = hidden_states
         if coupled_state is not None:
@@ -367,9 +371,8 @@ class DualFlowModel(DualFlowPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids=row_positions)
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         # The extra aux rounds get the cache too, and leave it alone: they attend to the first round's keys/values.
-        layer_kwargs = dict(
-            masks=masks, position_embeddings=position_embeddings, aux_top_k=aux_top_k, cache=cache, **kwargs
-        )
+        layer_kwargs = dict(masks=masks, position_embeddings=position_embeddings, aux_top_k=aux_top_k, **kwargs)
+        layer_kwargs[CACHE_FIELD] = cache
         selected, input_state_returned = hidden_states_to_return(
             self.config.output_hidden_states if output_hidden_states is None else output_hidden_states, len(self.layers)
         )

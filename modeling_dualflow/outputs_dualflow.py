@@ -12,7 +12,8 @@ from transformers.utils import output_capturing
 # 5.24 renamed the cache keyword and output field `past_key_values` to `cache`; `generate` passes and reads the name of
 # the installed version (5.24 still takes the old one, with a deprecation warning). So the forwards take both keywords
 # (`cache` wins), outputs are built and read under CACHE_FIELD, `_skip_keys_device_placement` (and the config's
-# `keys_to_ignore_at_inference`) name both, and `create_causal_mask` gets the cache by position.
+# `keys_to_ignore_at_inference`) name both, and `create_causal_mask` gets the cache by position. The decoder layers
+# get it under CACHE_FIELD too: the name under which `GradientCheckpointingLayer` takes it from a checkpointed layer.
 CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 # 5.24 (`resolve_hidden_states_indices`) reads an `output_hidden_states` selection as positions among all states (the
 # input state first, negative ones from the end, an int for one); 5.19-5.23 as a list of positions among the layers'

@@ -7,7 +7,7 @@ tensor `logits_to_keep`, and activation checkpointing with a user cache.
 import pytest
 import torch
 import torch._dynamo
-from helpers import tiny_model
+from helpers import enable_activation_checkpointing, tiny_model
 from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig, StaticCache
 from transformers.generation import GenerationMixin
 from transformers.generation.continuous_batching import continuous_api
@@ -196,3 +196,24 @@ class TestTensorLogitsToKeep:
         # a meta tensor has no values to read: reading them would raise
         positions, every_position = positions_to_keep(torch.tensor([1, -1, 9]), 4, torch.device("meta"))
         assert positions.device.type == "meta" and positions.shape == (3,) and not every_position
+
+
+class TestActivationCheckpointingWithACache:
+    @pytest.mark.parametrize("use_reentrant", [True, False])
+    def test_a_given_cache_is_left_alone_and_gradients_hold(self, use_reentrant):
+        """A checkpointed layer recomputes its forward in the backward pass: transformers takes the cache from it (the
+        keyword it clears is `past_key_values` before 5.24, `cache` from 5.24), so the cache is not written twice (on
+        5.19 the reentrant backward failed on the doubled keys) and the gradients are those without checkpointing."""
+        input_ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(6))
+        gradients = []
+        for checkpointing in (False, True):
+            model = tiny_model(aux_num_experts_per_tok=3, aux_num_rounds=2).train()
+            if checkpointing:
+                enable_activation_checkpointing(model, {"use_reentrant": use_reentrant})
+            cache = DualFlowCache(config=model.config)
+            model(input_ids, labels=input_ids, **{CACHE_FIELD: cache}).loss.backward()
+            gradients.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
+            assert cache.get_seq_length() == (0 if checkpointing else 6)
+        assert gradients[0].keys() == gradients[1].keys()
+        for name, gradient in gradients[0].items():
+            torch.testing.assert_close(gradients[1][name], gradient, rtol=1e-5, atol=1e-7, msg=name)
