@@ -45,7 +45,7 @@ class AtDefault:
     advice: str = "it has never run with this model: start without it"
 
 
-ANY = None
+ANY = None  # Tested(ANY, ...): every value vLLM itself accepts
 POOLING = (
     "the pooling runner would return the aux flow's hidden states, where transformers' DualFlowModel returns the "
     "primary flow's: serve it with the generate runner"
@@ -54,7 +54,9 @@ QUANTISED = "no quantised Dual-Flow checkpoint has been served (the quantisation
 OFFLOAD = "CPU weight offload has never run with this model: start without offloading"
 NOT_MULTIMODAL = "Dual-Flow checkpoints are text-only: start without it"
 SCHEDULING = "decides which tokens a step runs; the model's results do not depend on it (test_vllm_parity.py)"
-UNCLASSIFIED = "this vLLM field is not classified in dualflow/serving/engine_allowlist.py"
+UNCLASSIFIED = (
+    "this vLLM field is not classified for Dual-Flow (dualflow/serving/engine_allowlist.py): start without it"
+)
 HF_OVERRIDES_TESTED = {
     "use_aux_flow",
     "aux_num_experts_per_tok",
@@ -166,7 +168,7 @@ ENGINE_FIELDS = {
     "cache_config.kv_offloading_backend": AtDefault("KV offloading has never run with this model: start without it"),
     # parallel_config
     "parallel_config.pipeline_parallel_size": AtDefault(),
-    "parallel_config.tensor_parallel_size": Tested((1, 2), "test_vllm_tensor_parallel.py (TP 2 over gloo)"),
+    "parallel_config.tensor_parallel_size": Tested((1, 2), "TP 2 over gloo: test_vllm_tensor_parallel.py"),
     "parallel_config.prefill_context_parallel_size": AtDefault(),
     "parallel_config.decode_context_parallel_size": AtDefault(),
     "parallel_config.dcp_kv_cache_interleave_size": AtDefault(),
@@ -435,7 +437,7 @@ def refusal(config, prefix: str = "") -> str | None:
             if rule.values is None or value in rule.values:
                 continue
             accepted = ", ".join(repr(v) for v in rule.values)
-            advice = rule.advice or f"the values run with this model are {accepted} ({rule.where})"
+            advice = rule.advice or f"use one of {accepted}, the values run with this model ({rule.where})"
             return f"Dual-Flow in vLLM does not serve {path}={value!r}: {advice}"
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             if field_default(field) is None and not may_be_set(path):

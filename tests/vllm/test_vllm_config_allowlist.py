@@ -121,9 +121,9 @@ REFUSED = {
     ),
     "untested tensor-parallel size": (
         {"tensor_parallel_size": 4},
-        r"parallel_config.tensor_parallel_size=4: the values run with this model are 1, 2",
+        r"parallel_config.tensor_parallel_size=4: use one of 1, 2",
     ),
-    "float16": ({"dtype": "float16"}, "model_config.dtype=torch.float16: the values run with this model are"),
+    "float16": ({"dtype": "float16"}, "model_config.dtype=torch.float16: use one of"),
     "optimisation level": ({"optimization_level": 3}, "optimization_level=<OptimizationLevel.O3: 3>"),
     "hf_overrides of a checkpoint field": (
         {"hf_overrides": {"num_experts_per_tok": 4}},
@@ -169,7 +169,7 @@ def test_an_unclassified_field_is_refused_when_set(checkpoint, monkeypatch):
     error = refusal_of(checkpoint, {"kv_cache_memory_bytes": 2**26}, monkeypatch)
     assert error == (
         "Dual-Flow in vLLM does not serve cache_config.kv_cache_memory_bytes=67108864 (vLLM's default: None): "
-        "this vLLM field is not classified in dualflow/serving/engine_allowlist.py"
+        "this vLLM field is not classified for Dual-Flow (dualflow/serving/engine_allowlist.py): start without it"
     )
     monkeypatch.undo()
     assert engine_allowlist.refusal(engine_config(checkpoint, kv_cache_memory_bytes=2**26)) is None  # inert

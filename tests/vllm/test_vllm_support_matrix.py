@@ -97,7 +97,7 @@ REFUSED = {
         ({"compilation_config": {"cudagraph_mode": "FULL"}}, r"full CUDA graphs \(cudagraph_mode=FULL\): use"),
         (
             {"compilation_config": {"cudagraph_mode": "FULL"}, "hf_overrides": {"use_aux_flow": False}},
-            r"compilation_config.cudagraph_mode=<CUDAGraphMode.FULL: 2>: the values run with this model are",
+            r"compilation_config.cudagraph_mode=<CUDAGraphMode.FULL: 2>: use one of",
         ),
     ],
     'The pooling runner, pooling adapters (`runner="pooling"`, `convert="embed"`, ...)': [
@@ -105,7 +105,7 @@ REFUSED = {
         ({"convert": "embed"}, "model_config.convert='embed': the pooling runner would return the aux flow's"),
     ],
     "Tensor parallelism above 2": [
-        ({"tensor_parallel_size": 4}, r"parallel_config.tensor_parallel_size=4: the values run with this model")
+        ({"tensor_parallel_size": 4}, r"parallel_config.tensor_parallel_size=4: use one of 1, 2")
     ],
     "Prompt embeddings with `use_aux_flow: false`": [
         (
