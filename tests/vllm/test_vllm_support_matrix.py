@@ -221,7 +221,8 @@ def test_the_matrix_and_the_allowlist_agree_both_ways():
     rows = support_matrix().values()
     for option, status in rows:
         for name in named_fields(option):
-            assert isinstance(ENGINE_FIELDS.get(name), STATUS_CLASSES[status]), (name, status, ENGINE_FIELDS.get(name))
+            assert name in ENGINE_FIELDS, name
+            assert isinstance(ENGINE_FIELDS[name], STATUS_CLASSES[status]), (name, status, ENGINE_FIELDS[name])
     # Every value accepted because it ran is in a row that says where it ran.
     shown_as_run = {
         name for option, status in rows if STATUS_CLASSES[status] is Tested for name in named_fields(option)
