@@ -133,7 +133,7 @@ ENGINE_FIELDS = {
     "cache_config.block_size": Tested(ANY, "every engine test (32), test_vllm_cudagraph_dispatch.py"),
     "cache_config.user_specified_block_size": Derived("block_size"),
     "cache_config._block_size_resolved": Derived("block_size and the platform"),
-    "cache_config.kv_cache_layout": AtDefault(),
+    "cache_config.kv_cache_layout": Derived("the attention backend, when the engine starts"),
     "cache_config.prefix_match_unit": Derived("block_size"),
     "cache_config.gpu_memory_utilization": Inert("the memory budget of the KV cache"),
     "cache_config.cache_dtype": AtDefault("a quantised KV cache is refused: start with kv_cache_dtype='auto'"),
