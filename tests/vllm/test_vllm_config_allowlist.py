@@ -185,3 +185,9 @@ def test_a_sub_config_vllm_leaves_unset_is_refused_when_set(checkpoint, monkeypa
         "Dual-Flow in vLLM does not serve weight_transfer_config (set; vLLM's default: None): "
         "weight updates while serving have never run with this model: start without weight_transfer_config"
     )
+
+
+def test_a_served_engines_configuration_passes(engines, checkpoint):
+    # vLLM fills more fields once the engine has started (the KV cache layout, the compiled layers): derived ones
+    vllm_config = engines.get(checkpoint, **PREFIX_CACHING_AND_CHUNKED_PREFILL).llm_engine.vllm_config
+    assert engine_allowlist.refusal(vllm_config) is None
