@@ -1,9 +1,9 @@
 """
 Every field of vLLM's engine configuration (`VllmConfig` and its sub-configs, recursively), classified for a Dual-Flow
 engine, so that the engine fails closed: a field is accepted at vLLM's default, at a value that ran (or was
-simulated) in tests/vllm, or because it cannot change what the model computes (inert) or is filled by vLLM from other
-settings (derived). Anything else, a field vLLM adds in a later release included, is refused in one line naming it.
-tests/vllm/test_vllm_config_allowlist.py fails when vLLM has a field this table does not classify.
+simulated) in this package's vLLM tests, or because it cannot change what the model computes (inert) or is filled by
+vLLM from other settings (derived). Anything else, a field vLLM adds in a later release included, is refused in one
+line naming it; the test suite fails when vLLM has a field this table does not classify (test_vllm_config_allowlist).
 """
 
 import dataclasses
@@ -31,7 +31,7 @@ class Derived:
 
 @dataclass(frozen=True)
 class Tested:
-    """Accepted at the listed values (any value when `values` is None): tests/vllm runs them (`where`)."""
+    """Accepted at the listed values (any value when `values` is None): the vLLM tests run them (`where`)."""
 
     values: tuple | None
     where: str
