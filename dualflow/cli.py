@@ -49,6 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def close_progress_bars() -> None:
+    """
+    Clear the progress bars still open (Trainer's, when a run stops inside it): left open, tqdm redraws them when the
+    interpreter exits, after the one line that says how the command ended.
+    """
+    tqdm_module = sys.modules.get("tqdm.std")  # none to close if tqdm was never imported
+    if tqdm_module is None:
+        return
+    for bar in list(tqdm_module.tqdm._instances):
+        bar.leave = False
+        bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:
@@ -60,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
             args = module.build_parser(f"dualflow {command}").parse_args(argv[1:])
             return module.run(args) or 0
         except DualFlowUserError as error:
+            close_progress_bars()
             print(f"dualflow {command}: error: {error}", file=sys.stderr)
             return 2
         except (
             KeyboardInterrupt
         ) as interrupt:  # Ctrl-C, SIGTERM or SIGHUP: what was kept, if anything, and no traceback
-            new_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C (or a progress bar's last line)
+            close_progress_bars()
+            new_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C
             if signals.signum is None:
                 how, status = "interrupted", 130
             else:  # the shell's status for a process killed by that signal

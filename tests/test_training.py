@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -807,3 +808,21 @@ def test_finetune_reads_chat_rows_from_parquet_streamed(model_dir, tmp_path, cap
     assert run_finetune(model, *argv, "--batch-size", 4, "--max-steps", 2, "--disable-tqdm", "true") == 0
     assert "data: " in capsys.readouterr().out
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_the_stop_message_is_the_last_thing_printed_with_progress_bars_on(model_dir, tmp_path):
+    # Trainer's progress bar, left open by the stop, used to be redrawn after the message when the program exited.
+    command, out = finetune_command(model_dir, tmp_path)
+    command.remove("--disable-tqdm")
+    command.remove("true")
+    process = signallable_process([*command, "--max-steps", 100_000], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for("out/checkpoint-*/trainer_state.json", tmp_path, process)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=300)
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+    assert process.returncode == 143
+    assert re.search(r"dualflow finetune: terminated \(SIGTERM\); checkpoints kept in .*\n\Z", stderr), stderr[-500:]
