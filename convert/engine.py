@@ -140,7 +140,13 @@ SIZE_FIELDS = (
 def _missing_size_fields(source: SourceCheckpoint) -> str:
     """For a shape error: the size fields config.json lacks, whose defaults made the expected shape."""
     parsed = source.parse_config()
-    missing = [name for name in SIZE_FIELDS if name not in source.config_dict and hasattr(parsed, name)]
+    # A field may be written under another name the config class maps to it (Mixtral's num_local_experts).
+    aliases = {name: {name} for name in SIZE_FIELDS}
+    for alias, target in getattr(parsed, "attribute_map", {}).items():
+        for names in (aliases.get(alias), aliases.get(target)):
+            if names is not None:
+                names.update((alias, target))
+    missing = [name for name in SIZE_FIELDS if hasattr(parsed, name) and not aliases[name] & source.config_dict.keys()]
     if not missing:
         return ""
     defaults = ", ".join(f"{name}={getattr(parsed, name)}" for name in missing)
