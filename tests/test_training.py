@@ -421,19 +421,28 @@ def finetune_command(model_dir, tmp_path, *extra) -> tuple[list, Path]:
     return [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv], out
 
 
-def stop_finetune_after_a_checkpoint(model_dir, tmp_path, signum) -> tuple[subprocess.Popen, str, list, Path]:
-    """Run `dualflow finetune` saving every step and send it `signum` once a checkpoint is saved."""
-    command, out = finetune_command(model_dir, tmp_path)
-    process = signallable_process([*command, "--max-steps", 100_000], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def stop_once_written(command, tmp_path, pattern, signum) -> tuple[subprocess.Popen, str]:
+    """Run `command` and send it `signum` once `tmp_path.glob(pattern)` finds something; returns it and its stderr."""
+    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        wait_for("out/checkpoint-*/trainer_state.json", tmp_path, process)
+        wait_for(pattern, tmp_path, process)
         process.send_signal(signum)
         _, stderr = process.communicate(timeout=300)
-    except BaseException:  # a failed test must not leave a 100000-step run training beside the next tests
+    except BaseException:  # a failed test must not leave a long run training beside the next tests
         process.kill()
         process.communicate()
         raise
+    return process, stderr
+
+
+def stop_finetune_after_a_checkpoint(model_dir, tmp_path, signum) -> tuple[subprocess.Popen, str, list, Path]:
+    """Run `dualflow finetune` saving every step and send it `signum` once a checkpoint is saved."""
+    command, out = finetune_command(model_dir, tmp_path)
+    process, stderr = stop_once_written([*command, "--max-steps", 100_000], tmp_path, CHECKPOINT_SAVED, signum)
     return process, stderr, command, out
+
+
+CHECKPOINT_SAVED = "out/checkpoint-*/trainer_state.json"
 
 
 def last_checkpoint(folder: Path) -> Path:
@@ -678,15 +687,7 @@ def test_the_default_saving_keeps_checkpoints_of_a_stopped_run(model_dir, tmp_pa
     out = tmp_path / "out"
     command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, "--data", data, "--output-dir", out]
     command += ["--block-size", 32, "--batch-size", 4, "--disable-tqdm", "true", "--max-steps", 100]
-    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_for("out/checkpoint-*/trainer_state.json", tmp_path, process)
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=300)
-    except BaseException:
-        process.kill()
-        process.communicate()
-        raise
+    process, stderr = stop_once_written(command, tmp_path, CHECKPOINT_SAVED, signal.SIGINT)
     assert process.returncode == 130 and "rerun the same command to go on from the last one" in stderr
     checkpoints = complete_checkpoints(out)
     assert 1 <= len(checkpoints) <= 2 and all(int(path.name.split("-")[1]) % 10 == 0 for path in checkpoints)
@@ -698,15 +699,7 @@ def test_an_interrupted_run_that_saves_no_checkpoint_says_so(model_dir, tmp_path
     out = tmp_path / "out"
     argv = small_run(tmp_path, "--max-steps", 100_000, "--save-strategy", "no", "--output-dir", out)
     command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv]
-    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_for(f"out/{UNFINISHED_MARKER}", tmp_path, process)
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=300)
-    except BaseException:
-        process.kill()
-        process.communicate()
-        raise
+    process, stderr = stop_once_written(command, tmp_path, f"out/{UNFINISHED_MARKER}", signal.SIGINT)
     assert process.returncode == 130
     assert stderr.strip().splitlines()[-1] == (
         "dualflow finetune: interrupted; no checkpoint was kept (--save-strategy no): pass --save-strategy steps "
@@ -815,14 +808,6 @@ def test_the_stop_message_is_the_last_thing_printed_with_progress_bars_on(model_
     command, out = finetune_command(model_dir, tmp_path)
     command.remove("--disable-tqdm")
     command.remove("true")
-    process = signallable_process([*command, "--max-steps", 100_000], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_for("out/checkpoint-*/trainer_state.json", tmp_path, process)
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=300)
-    except BaseException:
-        process.kill()
-        process.communicate()
-        raise
+    process, stderr = stop_once_written([*command, "--max-steps", 100_000], tmp_path, CHECKPOINT_SAVED, signal.SIGTERM)
     assert process.returncode == 143
     assert re.search(r"dualflow finetune: terminated \(SIGTERM\); checkpoints kept in .*\n\Z", stderr), stderr[-500:]
