@@ -116,9 +116,11 @@ def test_demo_compare_and_lora_paths_trigger_no_deprecation(tmp_path):
 
 
 def test_docs_trainer_example_triggers_no_deprecation(tmp_path):
-    # docs/training.md: the tiny checkpoint, then "your own Trainer" (its first two runnable blocks)
-    setup, trainer_example = runnable_blocks(ROOT / "docs" / "training.md")[:2]
-    assert "Trainer(" in trainer_example["code"]
+    # docs/training.md: "your own Trainer" and the block before it, which makes the tiny checkpoint it reads
+    blocks = runnable_blocks(ROOT / "docs" / "training.md")
+    index = next(i for i, block in enumerate(blocks) if "Trainer(" in block["code"])
+    setup, trainer_example = blocks[index - 1 : index + 1]
+    assert "my-model-dualflow" in setup["code"]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # `python`: ours
     subprocess.run(["bash", "-e", "-c", setup["code"]], cwd=tmp_path, env=env, check=True, timeout=600)
     messages = run_recording(trainer_example["code"], tmp_path)
