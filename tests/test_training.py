@@ -699,7 +699,18 @@ def test_an_interrupted_run_that_saves_no_checkpoint_says_so(model_dir, tmp_path
     out = tmp_path / "out"
     argv = small_run(tmp_path, "--max-steps", 100_000, "--save-strategy", "no", "--output-dir", out)
     command = [sys.executable, "-m", "dualflow.cli", "finetune", model_dir, *argv]
-    process, stderr = stop_once_written(command, tmp_path, f"out/{UNFINISHED_MARKER}", signal.SIGINT)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # its lines as they are printed
+    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        # stopped once training runs: the line printed just before Trainer starts
+        while not process.stdout.readline().startswith("train_loss (Trainer's)"):
+            assert process.poll() is None, process.communicate()
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=300)
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
     assert process.returncode == 130
     assert stderr.strip().splitlines()[-1] == (
         "dualflow finetune: interrupted; no checkpoint was kept (--save-strategy no): pass --save-strategy steps "
