@@ -150,15 +150,13 @@ def _check_contents(path: Path, out, command: str, resume: bool, replace: bool) 
     if unfinished is not None and unfinished.get("command") == command and resume:
         return True
     # --overwrite (convert) replaces a Dual-Flow model or an unfinished conversion, and nothing of the user's.
+    foreign = foreign_entries(path, command)
     replaceable = (
-        command == "convert"
-        and (holds_model(path) or (unfinished or {}).get("command") == "convert")
-        and not foreign_entries(path, command)
+        command == "convert" and (holds_model(path) or (unfinished or {}).get("command") == "convert") and not foreign
     )
     if replace and replaceable:
         return False
     if replace:
-        foreign = foreign_entries(path, command)
         what = f"files that are not a Dual-Flow model's ({_names(foreign)})" if foreign else "no Dual-Flow model"
         raise DualFlowUserError(
             f"output folder {out} holds {what}: --overwrite replaces only a Dual-Flow model or an unfinished "
