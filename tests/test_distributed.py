@@ -208,6 +208,8 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
     refused = results.pop("adapters_tp")
     assert refused == {"refused": "aux adapters do not support tensor parallelism: load the model without a tp_plan"}
     for name, result in results.items():
+        # warnings as errors: a deprecated or dropped plan style shows here before it breaks
+        assert result["sharding_warnings"] == [], (name, result["sharding_warnings"])
         assert result["logits_max_diff"] <= 1e-5 and result["primary_logits_max_diff"] <= 1e-5, (name, result)
         assert result["same_greedy_tokens"], name
         # attention heads split over the 2 ranks

@@ -13,7 +13,10 @@ writes, per case, the largest logit differences, whether greedy generations agre
 """
 
 import json
+import logging
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,6 +38,26 @@ def local_rows(parameter) -> int:
     return (parameter.to_local() if isinstance(parameter, DTensor) else parameter).shape[0]
 
 
+@contextmanager
+def recorded_warnings():
+    """Python warnings and transformers' logged warnings raised inside the block, as messages."""
+    messages = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Recorder(level=logging.WARNING)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield messages
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    messages.extend(str(warning.message) for warning in caught)
+
+
 def compare(case: dict) -> dict:
     cls = model_class(case["path"], case["remote"])
     extra = {"experts_implementation": case["experts_implementation"]} if case.get("experts_implementation") else {}
@@ -43,7 +66,8 @@ def compare(case: dict) -> dict:
     else:
         parallel = DistributedConfig(tp_size=2, ep_size=2)
     reference = cls.from_pretrained(case["path"], **extra).eval()
-    sharded = cls.from_pretrained(case["path"], distributed_config=parallel, **extra).eval()
+    with recorded_warnings() as sharding_warnings:
+        sharded = cls.from_pretrained(case["path"], distributed_config=parallel, **extra).eval()
 
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(1, reference.config.vocab_size, (2, 9), generator=generator)
@@ -71,6 +95,7 @@ def compare(case: dict) -> dict:
             name for name, param in sharded.named_parameters() if name in aux_names and isinstance(param, DTensor)
         ],
         "num_aux_parameters": len(aux_names),
+        "sharding_warnings": sharding_warnings,
     }
 
 
