@@ -218,5 +218,5 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
         if name.endswith("_tp") or name == "moe_tp_remote_code":  # the aux flow's own weights replicated under TP
             assert result["sharded_aux_parameters"] == [], name
     assert results["moe_tp_remote_code"]["module"].startswith("transformers_modules")
-    assert results["moe_tp"]["local_experts"] == 4  # TP splits every expert's matrices
+    assert results["moe_tp"]["local_experts"] == 4  # TP keeps every expert on each rank, as Qwen3-MoE's plan does
     assert results["moe_ep"]["local_experts"] == results["moe_ep_eager_experts"]["local_experts"] == 2  # EP: 2 of 4
