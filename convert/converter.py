@@ -110,6 +110,19 @@ def _card_parity(parity: dict | None) -> dict | None:
     return {**parity, "max_abs_diff_aux": aux, "max_abs_diff_primary": f"{parity['max_abs_diff_primary']:.3g}"}
 
 
+def _check_verifiable(source: SourceCheckpoint):
+    """--verify runs the source dequantized by transformers, which reads FP8 blocks right only where they divide."""
+    if source.quantization is None:
+        return
+    for key, info in source.tensors.items():
+        if info.scale_key is not None and source.quantization.splits_unevenly(info.shape):
+            raise DualFlowUserError(
+                f"--verify cannot check this FP8 source: {key} of shape {list(info.shape)} ends in partial "
+                f"{source.quantization.block_size} blocks, which transformers dequantizes with other blocks; "
+                "convert without --verify"
+            )
+
+
 def convert_checkpoint(
     src: str | Path,
     out: str | Path,
@@ -169,6 +182,8 @@ def convert_checkpoint(
         )
     source = SourceCheckpoint(src_dir)
     config = build_config(source, aux_top_k, torch_dtype, aux_rounds, aux_adapter_rank)
+    if verify:
+        _check_verifiable(source)
     targets = plan_targets(source, family_for(source.model_type), config, torch_dtype)
 
     with output_folder(out, "convert", replace=overwrite) as folder:
@@ -179,7 +194,8 @@ def convert_checkpoint(
         for name in modeling_dualflow.REMOTE_CODE_FILES:
             shutil.copy2(code_dir / name, out_dir / name)
         copied = _copy_passthrough_files(src_dir, out_dir)
-        parity = check_parity(src_dir, out_dir, torch_dtype) if verify else None
+        dequantize = source.quantization is not None
+        parity = check_parity(src_dir, out_dir, torch_dtype, dequantize_source=dequantize) if verify else None
         if parity is not None and not parity["passed"]:
             raise DualFlowUserError(f"--verify failed, nothing written to {out}: {parity['summary']}")
         # The card is published with the model: it names the source by its Hub id where it has one, and local

@@ -2,8 +2,9 @@
 
 Planning reads no tensor data (except the tied-embedding check): it knows each output tensor's name, shape, dtype and
 the source tensors it is made of, so every error about the source surfaces before the first byte is written. Writing
-reads one source tensor at a time and appends it to the output file at once; peak memory is about the largest single
-source tensor (usually the embedding matrix), whatever the model or shard size.
+reads one source tensor at a time (a block-FP8 weight: one block of rows at a time, dequantized) and appends it to the
+output file at once; peak memory is about the largest single source tensor (usually the embedding matrix), whatever
+the model or shard size.
 """
 
 import json
@@ -208,9 +209,9 @@ def write_checkpoint(
                 for name in names:
                     target = by_name[name]
                     for piece in target.pieces:
-                        data = source.read(piece.key) if piece.key else piece.fresh()
-                        writer.write(data.to(target.dtype))
-                        del data  # release before reading the next piece
+                        for data in source.read_pieces(piece.key) if piece.key else [piece.fresh()]:
+                            writer.write(data.to(target.dtype))
+                            del data  # release before reading the next piece
                     progress.update()
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}

@@ -2,6 +2,7 @@
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -13,6 +14,8 @@ from transformers import CONFIG_MAPPING
 from dualflow.checkpoint import download_failure, is_hub_repo_id
 from dualflow.errors import DualFlowUserError
 
+from .quantized import SCALE_SUFFIX, source_quantization
+
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -20,6 +23,8 @@ INDEX_FILE = "model.safetensors.index.json"
 HUB_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
 # safetensors dtype codes -> torch dtype names (the float formats checkpoints of these families use).
 _TORCH_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# Read only from a block-FP8 source, where each such weight comes with its scales.
+_FP8_DTYPE_NAMES = {"F8_E4M3": "float8_e4m3fn"}
 
 
 def resolve_source(src: str | Path, revision: str | None = None, token: str | None = None) -> tuple[Path, str | None]:
@@ -52,19 +57,23 @@ def resolve_source(src: str | Path, revision: str | None = None, token: str | No
 class TensorInfo:
     file: Path
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype  # of a quantized weight: the dtype it is dequantized to
+    scale_key: str | None = None  # of a quantized weight: the key of its scales, and the file holding them
+    scale_file: Path | None = None
 
 
 class SourceCheckpoint:
     """
     Parses `config.json` with transformers' own config class, checks every shard's header before any tensor is read
-    (missing, truncated or inconsistent files fail before anything is written), then reads tensors one by one.
+    (missing, truncated or inconsistent files fail before anything is written), then reads tensors one by one. A
+    block-FP8 source is seen dequantized: its weights with their unquantized dtype, without their scale tensors.
     """
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.config_dict = self._read_config_json()
         self.model_type = self.config_dict.get("model_type")
+        self.quantization = source_quantization(self.config_dict)
 
     def _read_config_json(self) -> dict:
         config_path = self.folder / "config.json"
@@ -80,8 +89,6 @@ class SourceCheckpoint:
 
     def parse_config(self):
         """The source config as transformers itself reads it (defaults filled, legacy fields standardised)."""
-        if self.config_dict.get("quantization_config"):
-            raise DualFlowUserError("quantized checkpoints (config.json has quantization_config) are not supported")
         try:
             return CONFIG_MAPPING[self.model_type].from_dict(self.config_dict)
         except Exception as error:  # strict dataclass validation raises several types; all mean a bad config.json
@@ -106,6 +113,7 @@ class SourceCheckpoint:
             raise DualFlowUserError(f"{self.folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
 
         tensors = {}
+        dtype_names = _TORCH_DTYPE_NAMES | (_FP8_DTYPE_NAMES if self.quantization else {})
         for name in files:
             path = self.folder / name
             if not path.is_file():
@@ -114,18 +122,48 @@ class SourceCheckpoint:
                 with safe_open(path, framework="pt") as handle:
                     for key in handle.keys():
                         tensor_slice = handle.get_slice(key)
-                        dtype = getattr(torch, _TORCH_DTYPE_NAMES[tensor_slice.get_dtype()])
+                        dtype = getattr(torch, dtype_names[tensor_slice.get_dtype()])
                         tensors[key] = TensorInfo(path, tuple(tensor_slice.get_shape()), dtype)
             except (SafetensorError, OSError) as error:
                 raise DualFlowUserError(f"shard {name} is unreadable or truncated: {error}") from error
             except KeyError as error:
                 raise DualFlowUserError(f"shard {name} holds a tensor of unsupported dtype {error}") from error
-        if weight_map is None:
-            return tensors
-        for key, name in weight_map.items():
-            if key not in tensors or tensors[key].file.name != name:
-                raise DualFlowUserError(f"{INDEX_FILE} maps {key} to {name}, which does not contain it")
-        return {key: tensors[key] for key in weight_map}  # like transformers, trust the index for what exists
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                if key not in tensors or tensors[key].file.name != name:
+                    raise DualFlowUserError(f"{INDEX_FILE} maps {key} to {name}, which does not contain it")
+            tensors = {key: tensors[key] for key in weight_map}  # like transformers, trust the index for what exists
+        return self._dequantized_view(tensors) if self.quantization else tensors
+
+    @property
+    def dequantized_dtype(self) -> torch.dtype:
+        """The dtype of the source's unquantized weights (config.json's dtype), which its FP8 weights take too."""
+        name = self.config_dict.get("dtype") or self.config_dict.get("torch_dtype")
+        return getattr(torch, name) if name in _TORCH_DTYPE_NAMES.values() else torch.bfloat16
+
+    def _dequantized_view(self, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+        """Each float8 weight paired with its scales (checked), which are not tensors of the model."""
+        view = {}
+        for key, info in tensors.items():
+            scale_key = key + SCALE_SUFFIX
+            if info.dtype != torch.float8_e4m3fn:
+                if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in tensors:
+                    continue  # checked with its weight
+                if scale_key in tensors:
+                    raise DualFlowUserError(f"{scale_key} scales {key}, which is {info.dtype} rather than float8")
+                view[key] = info
+                continue
+            if scale_key not in tensors:
+                raise DualFlowUserError(f"{key} is float8 but the checkpoint has no {scale_key}")
+            expected = self.quantization.scale_shape(info.shape)
+            if tensors[scale_key].shape != expected:
+                raise DualFlowUserError(
+                    f"{scale_key} has shape {list(tensors[scale_key].shape)}, expected {list(expected)} for "
+                    f"{key} of shape {list(info.shape)} in blocks of {self.quantization.block_size}"
+                )
+            scale_file = tensors[scale_key].file
+            view[key] = TensorInfo(info.file, info.shape, self.dequantized_dtype, scale_key, scale_file)
+        return view
 
     def info(self, key: str) -> TensorInfo:
         if key not in self.tensors:
@@ -134,7 +172,25 @@ class SourceCheckpoint:
         return self.tensors[key]
 
     def read(self, key: str) -> torch.Tensor:
+        """The whole tensor; a quantized weight dequantized to its `info(key).dtype`."""
+        info = self.info(key)
+        if info.scale_key is not None:
+            return torch.cat(list(self.read_pieces(key))).reshape(info.shape).to(info.dtype)
         # One short-lived handle per read: the shard's memory map is released right away, so pages touched by
         # earlier reads never accumulate in the resident set.
-        with safe_open(self.info(key).file, framework="pt") as handle:
+        with safe_open(info.file, framework="pt") as handle:
             return handle.get_tensor(key)
+
+    def read_pieces(self, key: str) -> Iterator[torch.Tensor]:
+        """
+        The tensor in pieces to concatenate in C order: the whole tensor, or for a quantized weight its float32
+        dequantization one block of rows at a time (never the whole weight in float32).
+        """
+        info = self.info(key)
+        if info.scale_key is None:
+            yield self.read(key)
+            return
+        with safe_open(info.scale_file, framework="pt") as handle:
+            scale_inv = handle.get_tensor(info.scale_key)
+        with safe_open(info.file, framework="pt") as handle:
+            yield from self.quantization.dequantized_rows(handle.get_slice(key), scale_inv)

@@ -1,7 +1,7 @@
 """`--verify`: the converted checkpoint must reproduce its source, run by transformers' own class, on a fixed prompt."""
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 
 TOLERANCE = 1e-4  # max abs logit difference, both models run in float32
@@ -26,15 +26,17 @@ def _greedy(model, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def check_parity(source_dir, converted_dir, dtype: torch.dtype | None = None) -> dict:
+def check_parity(source_dir, converted_dir, dtype: torch.dtype | None = None, dequantize_source: bool = False) -> dict:
     """
     Load the source with transformers' own class and the result with AutoModelForCausalLM(trust_remote_code=True),
     both in float32 (the source first rounded to the conversion dtype, so only the conversion itself is judged).
+    dequantize_source: the source is a block-FP8 checkpoint, loaded dequantized (as the conversion is) on any device.
     Compares logits at every position of a fixed prompt with the aux flow on and off, and greedy generations.
     With k_a != k_p the aux flow is meant to differ: only the primary flow (aux off) must match then.
     """
     load_dtype = dtype or "auto"
-    source = AutoModelForCausalLM.from_pretrained(source_dir, dtype=load_dtype).float().eval()
+    quantization = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if dequantize_source else {}
+    source = AutoModelForCausalLM.from_pretrained(source_dir, dtype=load_dtype, **quantization).float().eval()
     converted = AutoModelForCausalLM.from_pretrained(converted_dir, dtype=load_dtype, trust_remote_code=True)
     converted = converted.float().eval()
     config = converted.config
