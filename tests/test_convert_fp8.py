@@ -117,7 +117,10 @@ def test_fp8_source_with_partial_blocks_converts_to_the_dequantized_model(family
         for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.gate_up_proj"):
             if name in expected:
                 assert torch.equal(converted[name], expected[name]), (layout, name)
-        assert_parity(reference, out)
+        model, expected_logits, aux_logits = assert_parity(reference, out)
+        with torch.no_grad():  # exact in fp32: the same weights, the same computation
+            assert torch.equal(model(PROMPT, use_aux_flow=False).logits, expected_logits), layout
+        assert torch.equal(aux_logits, expected_logits), layout
 
 
 def test_fp8_source_to_bfloat16(tmp_path):
