@@ -9,6 +9,7 @@ blocks. The command line is `dualflow.finetune_cli`.
 """
 
 import errno
+import importlib.util
 import math
 import os
 import shutil
@@ -27,7 +28,7 @@ import modeling_dualflow  # noqa: F401  (registers the dualflow model type with 
 from .aux_training import freeze_for_aux_training
 from .checkpoint import WEIGHT_FILES, load_dualflow_config, load_dualflow_model, load_tokenizer
 from .errors import DualFlowInterrupted, DualFlowUserError
-from .lora import add_lora
+from .lora import add_lora, qlora_quantization_config
 from .model_card import license_of, write_adapter_card, write_model_card
 from .output_folder import (
     UNFINISHED_MARKER,
@@ -426,6 +427,7 @@ def finetune(
     data_path,
     output_dir,
     lora: bool = False,
+    load_in_4bit: bool = False,
     aux_only: bool = False,
     block_size: int = 512,
     eval_fraction: float = 0.1,
@@ -443,7 +445,9 @@ def finetune(
 ) -> FinetuneResult:
     """
     Fine-tune `model_path` on `data_path` and save the result into `output_dir`: the full model (loadable with
-    `AutoModelForCausalLM`, also as remote code) or, with `lora`, the adapter (load it with `peft.PeftModel.from_pretrained`).
+    `AutoModelForCausalLM`, also as remote code) or, with `lora`, the adapter (load it with `peft.PeftModel.from_pretrained`);
+    `load_in_4bit` (with `lora`): QLoRA, the adapter trained on the model loaded in 4 bits
+    (`qlora_quantization_config`).
     `training_arguments` go to `make_trainer` (`resume_from_checkpoint` to `Trainer.train`). Trainer writes its
     checkpoints into `output_dir` as `checkpoint-N`; a run stopped early (Ctrl-C, an error) keeps the complete ones
     there, and calling again with the same `output_dir` goes on from the last one. `data_path`, `text_field`,
@@ -452,6 +456,13 @@ def finetune(
     """
     if lora and aux_only:
         raise DualFlowUserError("--lora and --aux-only are exclusive (LoRA already trains the aux parameters in full)")
+    if load_in_4bit and not lora:
+        raise DualFlowUserError(
+            "--load-in-4bit needs --lora (QLoRA): a full or --aux-only run saves the whole model, "
+            "4-bit weights included"
+        )
+    if load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise DualFlowUserError("--load-in-4bit needs bitsandbytes: pip install bitsandbytes")
     _check_numbers(block_size, lora, lora_r, lora_alpha, training_arguments)
     if eval_blocks_max is not None and eval_blocks_max < 0:
         raise DualFlowUserError(f"--eval-blocks must be >= 0 (0: no NLL before / after), got {eval_blocks_max}")
@@ -487,7 +498,11 @@ def finetune(
                 print(f"eval NLL before / after measured on {len(measured)} of the {len(eval_blocks)} eval blocks")
             # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
             source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
-            model = load_dualflow_model(source, config=config, dtype=torch.float32)
+            compute_dtype = torch.bfloat16 if training_arguments.get("bf16") else torch.float32
+            quantization = {}
+            if load_in_4bit:
+                quantization["quantization_config"] = qlora_quantization_config(compute_dtype)
+            model = load_dualflow_model(source, config=config, dtype=torch.float32, **quantization)
             if aux_only:
                 freeze_for_aux_training(model)
             # Training settings restored before saving: the router balance loss is part of the training objective

@@ -132,6 +132,12 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
         "--lora", action="store_true", help="train LoRA adapters + the aux parameters; saves the adapter"
     )
     parser.add_argument(
+        "--load-in-4bit",
+        "--load_in_4bit",
+        action="store_true",
+        help="with --lora: QLoRA, the linear layers loaded in 4 bits (NF4, bitsandbytes) under the adapters",
+    )
+    parser.add_argument(
         "--aux-only",
         "--aux_only",
         action="store_true",
