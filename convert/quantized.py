@@ -50,7 +50,7 @@ class BlockFP8:
             for block, start in enumerate(range(0, rows, block_rows)):
                 values = weight_slice[(*leading, slice(start, start + block_rows))].to(torch.float32)
                 scales = scale_inv[(*leading, block)].to(torch.float32).repeat_interleave(block_columns)
-                yield values * scales[:columns]
+                yield values.mul_(scales[:columns])
 
 
 def source_quantization(config_dict: dict) -> BlockFP8 | None:

@@ -23,7 +23,8 @@ from helpers import (
     signallable_process,
 )
 from safetensors import safe_open
-from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+from safetensors.torch import save_file
+from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dualflow.convert import SUPPORTED_MODEL_TYPES, convert_checkpoint
 from dualflow.convert.verify import check_parity
@@ -391,6 +392,48 @@ def test_peak_memory_stays_near_largest_tensor(tmp_path):
     peak = _peak_rss_bytes(tmp_path / "src", tmp_path / "out")
     assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1
     assert baseline > 100 * 2**20  # torch + transformers are imported: the measure is the child's own
+    assert peak - baseline < bound, f"conversion used {(peak - baseline) / 2**20:.0f} MiB over the interpreter"
+
+
+def test_peak_memory_with_fp8_weights_stays_near_largest_tensor(tmp_path):
+    # A block-FP8 source whose largest tensors are quantized MLP weights (16 MiB as float8, 32 MiB written in bf16):
+    # each is dequantized one block of rows at a time. Whole, its float32 dequantization alone would take 64 MiB.
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=1024,
+        intermediate_size=16384,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    with torch.device("meta"):
+        shapes = {key: tensor.shape for key, tensor in Qwen3ForCausalLM(config).state_dict().items()}
+    tensors = {}
+    for key, shape in shapes.items():
+        if not key.endswith("_proj.weight"):
+            tensors[key] = torch.randn(shape, dtype=torch.bfloat16)
+            continue
+        tensors[key] = torch.randn(shape).to(torch.float8_e4m3fn)
+        tensors[key + "_scale_inv"] = torch.full((-(-shape[0] // 128), -(-shape[1] // 128)), 0.01)
+    config.quantization_config = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    config.save_pretrained(tmp_path / "src")
+    save_file(tensors, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    largest_tensor_bytes = config.intermediate_size * config.hidden_size * 2  # as written, in bf16
+    bound = 2 * largest_tensor_bytes + 32 * 2**20  # as for unquantized sources (docs/convert.md)
+
+    baseline = _peak_rss_bytes()
+    peak = _peak_rss_bytes(tmp_path / "src", tmp_path / "out")
+    key = "model.layers.0.mlp.down_proj.weight"
+    shard = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"][key]
+    with safe_open(tmp_path / "out" / shard, framework="pt") as handle:
+        assert handle.get_slice(key).get_dtype() == "BF16"  # config.json's dtype
     assert peak - baseline < bound, f"conversion used {(peak - baseline) / 2**20:.0f} MiB over the interpreter"
 
 
