@@ -14,8 +14,8 @@ forward context's batch descriptor the CUDA graph):
   aux queries as its 2H heads over pages read once.
 - some rows sampled (prefill, mixed steps): the primary piece (`DualFlowModel`) on every row, then the aux rows piece
   (`DualFlowAuxRowsModel`) on the sampled rows alone, their inputs (token ids, positions, the primary states the
-  couplings read) copied into persistent buffers sized for the largest step, as vLLM's Gemma3n runs its
-  cross-decoder. vLLM's KV-sharing fast-prefill metadata (switched on by `DualFlowEngineConfig`) gives the aux
+  couplings read, which the primary piece gathers at the sampled rows only) copied into persistent buffers sized for
+  the most rows a step samples, as vLLM's Gemma3n runs its cross-decoder. vLLM's KV-sharing fast-prefill metadata (switched on by `DualFlowEngineConfig`) gives the aux
   attention layers exactly the sampled rows, so prefill pays the base model plus one aux row per request.
 
 After the final norm the aux states replace the primary states at the sampled rows: `compute_logits`, the sampler and
@@ -480,17 +480,18 @@ class DualFlowModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        aux_rows: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # Returns the T rows' final (normed) primary states; with the aux flow on also (T, layers, hidden): the state
-        # entering each layer.
+        # Returns the T rows' final (normed) primary states; given `aux_rows` (indices into the T rows, of a fixed
+        # length: not a second dynamic size) also (len(aux_rows), layers, hidden): the state entering each layer there.
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         one_dynamic_size(positions, hidden_states)
         entering = None
-        if self.use_aux_flow:
-            entering = hidden_states.new_empty(hidden_states.shape[0], len(self.layers), hidden_states.shape[1])
+        if aux_rows is not None:
+            entering = hidden_states.new_empty(aux_rows.shape[0], len(self.layers), hidden_states.shape[1])
         for i, layer in enumerate(self.layers):
-            if entering is not None:  # copied now: the layer's fused residual add may update its input in place
-                entering[:, i] = hidden_states
+            if entering is not None:  # gathered now: the layer's fused residual add may update its input in place
+                entering[:, i] = hidden_states.index_select(0, aux_rows)
             hidden_states = layer(positions, hidden_states, hidden_states.shape[0])
         hidden_states = self.norm(hidden_states)
         return hidden_states if entering is None else (hidden_states, entering)
@@ -588,20 +589,55 @@ def batch_descriptor_for(num_rows: int):
         context.batch_descriptor = step
 
 
+def max_sampled_rows(vllm_config: VllmConfig) -> int:
+    """
+    The most rows the aux rows piece runs on in one step, padding for graphs included: every scheduled token when the
+    aux flow runs at every row (fast prefill off); otherwise each request's sampled tokens (1, plus the drafts under
+    speculative decoding), padded as vLLM pads them: to the next CUDA-graph capture size, a size vLLM may later round
+    up to a multiple of the tokens per request (full decode graphs with speculation).
+    """
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if not vllm_config.cache_config.kv_sharing_fast_prefill:
+        return max_tokens
+    speculative = vllm_config.speculative_config
+    per_request = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+    rows = vllm_config.scheduler_config.max_num_seqs * per_request
+    capture_sizes = vllm_config.compilation_config.cudagraph_capture_sizes or ()
+    padded = min((size for size in capture_sizes if size >= rows), default=rows)
+    return min(max_tokens, -(-padded // per_request) * per_request)
+
+
 class AuxRowInputs:
-    """Persistent buffers for the aux rows piece's inputs, sized for the largest step (vLLM's token budget), as vLLM's
-    Gemma3n keeps its cross-decoder's: a CUDA graph reads its inputs from the addresses it was captured with."""
+    """
+    Persistent buffers, sized for the most sampled rows of a step (`max_sampled_rows`), as vLLM's Gemma3n keeps its
+    cross-decoder's (a CUDA graph reads its inputs from the addresses it was captured with): `rows`, the indices at
+    which the primary piece gathers the entering states (all of them valid: past the step's rows the last one
+    repeats), and the aux rows piece's inputs.
+    """
 
     def __init__(self, max_rows: int, num_layers: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.rows = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.input_ids = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.entering = torch.zeros(max_rows, num_layers, hidden_size, dtype=dtype, device=device)
 
+    def select(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` copied into the first places of `self.rows`, its last index into the rest; returns `self.rows`."""
+        if rows.shape[0] > self.rows.shape[0]:
+            raise ValueError(
+                f"Dual-Flow in vLLM: a step samples {rows.shape[0]} rows, more than the {self.rows.shape[0]} its "
+                "buffers hold (max_num_seqs times the tokens per request, padded to a capture size)"
+            )
+        self.rows[: rows.shape[0]].copy_(rows)
+        self.rows[rows.shape[0] :] = rows[-1]
+        return self.rows
+
     def fill(self, rows, input_ids, positions, entering) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The inputs at `rows` copied in; returns views of the first len(rows) rows."""
+        """The inputs at `rows` copied in (`entering`: already gathered at `self.rows`); returns views of the first
+        len(rows) rows."""
         views = tuple(buffer[: rows.shape[0]] for buffer in (self.input_ids, self.positions, self.entering))
-        for view, source in zip(views, (input_ids, positions, entering)):
-            view.copy_(source[rows])
+        for view, source in zip(views, (input_ids[rows], positions[rows], entering[: rows.shape[0]])):
+            view.copy_(source)
         return views
 
 
@@ -635,7 +671,7 @@ class DualFlowForCausalLM(nn.Module):
                     vllm_config=vllm_config, prefix=maybe_prefix(prefix, "aux_rows_model"), model=self.model
                 )
             self.aux_row_inputs = AuxRowInputs(
-                vllm_config.scheduler_config.max_num_batched_tokens,
+                max_sampled_rows(vllm_config),
                 config.num_hidden_layers,
                 config.hidden_size,
                 vllm_config.model_config.dtype,
@@ -670,12 +706,18 @@ class DualFlowForCausalLM(nn.Module):
         if sampled is None and self.every_row_model is not None:
             if get_forward_context().attn_metadata is None:
                 # A dummy run (warm-up, profiling, graph capture): compile, warm (capture) the other two pieces as
-                # well, with every row sampled.
-                self.primary_then_aux_rows(input_ids, positions, torch.arange(num_tokens, device=positions.device))
+                # well, with as many rows sampled as a step samples at most.
+                self.primary_then_aux_rows(input_ids, positions, self.dummy_rows(num_tokens, positions.device))
             return self.every_row_model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if sampled is None and get_forward_context().attn_metadata is None:
+            sampled = self.dummy_rows(num_tokens, positions.device), None
         if sampled is None:
             sampled = torch.arange(num_tokens, device=positions.device), num_tokens
         return self.primary_then_aux_rows(input_ids, positions, *sampled)
+
+    def dummy_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """The rows a dummy run samples: its first tokens, no more than a real step samples."""
+        return torch.arange(min(num_tokens, self.aux_row_inputs.rows.shape[0]), device=device)
 
     def primary_then_aux_rows(
         self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, num_sampled: int | None = None
@@ -687,7 +729,7 @@ class DualFlowForCausalLM(nn.Module):
         repeated, their attention output never written): they are dropped, so each row is written once, by its real
         aux state, as vLLM's Gemma3n cuts its padded rows.
         """
-        primary_states, entering = self.model(input_ids, positions)
+        primary_states, entering = self.model(input_ids, positions, aux_rows=self.aux_row_inputs.select(rows))
         # A copy: vLLM may hand a piece's output over from a graph memory pool that the next piece's graph reuses (the
         # note at vLLM's Gemma3n fast prefill).
         states = primary_states.clone()

@@ -48,6 +48,10 @@ SPECULATION_MAX_NEW = 12  # the greedy continuations repeat a token: drafts to v
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 PIECES = {"backbone": "DualFlowModel", "dualflow_every_row_sampled": "DualFlowEveryRowModel"}
 PIECES["dualflow_aux_rows"] = "DualFlowAuxRowsModel"
+# The most rows a step samples: max_num_seqs (4) padded to a capture size; 4 requests of 1 + 3 tokens under n-gram
+# speculation.
+MAX_SAMPLED_ROWS = 4
+MAX_SAMPLED_ROWS_SPECULATING = 16
 
 
 class EagerGraph:
@@ -212,6 +216,7 @@ def serve_with_simulated_graphs(checkpoint, prompts, max_new: int, **engine_args
         running_engine(checkpoint, compilation_config=compilation, **engine_args) as llm,
     ):
         config = llm.llm_engine.vllm_config.compilation_config
+        buffers = llm.apply_model(aux_row_buffer_shapes)[0]
         wrapper.calls.clear()
         captured = llm.collective_rpc(capture_graphs)[0]
         capture_calls = list(wrapper.calls)
@@ -223,6 +228,7 @@ def serve_with_simulated_graphs(checkpoint, prompts, max_new: int, **engine_args
         accepted = [m.value for m in metrics if m.name == "vllm:spec_decode_num_accepted_tokens"]
     return dict(
         config=(config.mode.name, config.backend, config.cudagraph_mode.name, config.cudagraph_capture_sizes),
+        buffers=buffers,
         captured=captured,
         capture_calls=capture_calls,
         eager=eager,
@@ -230,6 +236,12 @@ def serve_with_simulated_graphs(checkpoint, prompts, max_new: int, **engine_args
         moved_inputs=list(wrapper.moved_inputs),
         accepted=accepted,
     )
+
+
+def aux_row_buffer_shapes(model) -> dict[str, list[int]]:
+    """In the engine process: the shapes of the aux rows piece's persistent buffers."""
+    buffers = model.aux_row_inputs
+    return {name: list(getattr(buffers, name).shape) for name in ("rows", "input_ids", "positions", "entering")}
 
 
 @pytest.fixture(scope="module")
@@ -273,12 +285,26 @@ def test_the_engine_runs_piecewise_graphs_with_the_capture_sizes(served):
     assert served["captured"] == [["PIECEWISE", CAPTURE_SIZES]]  # vLLM's capture descriptors, one per size
 
 
-def test_every_piece_is_split_and_captured_at_every_size(served):
+def test_every_piece_is_split_and_captured_at_every_size_it_runs_at(served):
     captures = [(tag, size) for tag, event, size, _ in served["capture_calls"] if event == "capture"]
     for tag in PIECES:
-        graphs_per_size = {size: captures.count((tag, size)) for size in CAPTURE_SIZES}
+        graphs_per_size = {size: captures.count((tag, size)) for tag_, size in set(captures) if tag_ == tag}
+        # The aux rows piece runs on the sampled rows: at the capture sizes up to the most a step samples.
+        sizes = [size for size in CAPTURE_SIZES if tag != "dualflow_aux_rows" or size <= MAX_SAMPLED_ROWS]
+        assert sorted(graphs_per_size) == sizes, (PIECES[tag], graphs_per_size)
         # Split at the attention ops: several graphs per size, as many at every size.
         assert len(set(graphs_per_size.values())) == 1 and graphs_per_size[1] > 1, (PIECES[tag], graphs_per_size)
+
+
+def test_the_aux_rows_buffers_hold_the_most_rows_a_step_samples(served, speculating):
+    # 2 layers x hidden 128 per row; not the 48-token budget
+    for result, rows in ((served, MAX_SAMPLED_ROWS), (speculating, MAX_SAMPLED_ROWS_SPECULATING)):
+        assert result["buffers"] == {
+            "rows": [rows],
+            "input_ids": [rows],
+            "positions": [rows],
+            "entering": [rows, 2, 128],
+        }
 
 
 def test_the_eager_run_is_unpadded(served):

@@ -1,7 +1,7 @@
 """What vLLM's GPU runner does that its CPU runner does not, simulated in a CPU engine: with CUDA graphs the rows vLLM
 samples from are padded to a graph size by repeating the last index, the attention output of the padded rows is never
-written (`torch.empty`), and a compiled piece replays the graph captured for the step's batch size (at warm-up, with
-every row sampled) whatever the number of rows it is called with, reading its inputs from the captured addresses. The
+written (`torch.empty`), and a compiled piece may replay a graph captured for more rows than it is called with (at
+warm-up, with as many rows sampled as a step samples at most), reading its inputs from the captured addresses. The
 served logits must be the unpadded run's exactly. Each compiled piece has one dynamic size, the one vLLM selects its
 compile ranges by. Modes the model does not run are refused in one line before any engine process starts."""
 
@@ -17,25 +17,26 @@ from dualflow.serving.engine_config import check_supported
 
 MAX_NEW = 6
 PROMPTS = random_prompts([3, 17, 40, 29], seed=5)  # 89 tokens over a 48-token budget: prefill, mixed and decode steps
-GRAPH_PADDING = 5  # padded rows per step, more than the batch's requests: duplicates of the last sampled row
 
 
 def pad_sampled_rows_like_cuda_graphs(worker):
     """In the engine process: from now on, pad each step's sampled-row indices as the GPU runner does for a CUDA graph
-    (`_prepare_kv_sharing_fast_prefill`: the last index repeated up to the padded size), and fill every attention
+    (`_prepare_kv_sharing_fast_prefill`: the last index repeated up to the padded size: the next power of 2, as
+    vLLM's smallest capture sizes 1, 2, 4, 8, up to the most rows a step samples), and fill every attention
     output row that the kernel does not write (rows past the metadata's real token count) with NaN, as uninitialised
     GPU memory may hold. Counts the aux attention calls that saw padded rows in `runner.padded_attention_calls`."""
     from vllm.model_executor.layers.attention import Attention
 
     runner = worker.model_runner
     prepare = runner._prepare_kv_sharing_fast_prefill
+    max_rows = runner.model.aux_row_inputs.rows.shape[0]
 
     def padded(logits_indices):
         prepare(logits_indices)
-        num_real = logits_indices.shape[0]
+        size = min(2 ** math.ceil(math.log2(logits_indices.shape[0])), max_rows)
         indices = runner.kv_sharing_fast_prefill_logits_indices
-        indices[num_real : num_real + GRAPH_PADDING] = logits_indices[-1]
-        return indices[: num_real + GRAPH_PADDING]
+        indices[logits_indices.shape[0] : size] = logits_indices[-1]
+        return indices[:size]
 
     runner._prepare_kv_sharing_fast_prefill = padded
     runner.padded_attention_calls = 0
@@ -60,32 +61,32 @@ def padded_attention_calls(worker):
 
 def replay_aux_rows_like_cuda_graphs(worker):
     """
-    In the engine process: from now on, run the aux rows piece as a CUDA graph captured for the step's token count T
-    replays it when a mixed step calls it with P < T rows: on T rows read from the addresses its inputs had (the rows
-    past P hold what earlier steps left there: NaN in the float ones here), its first P output rows used. Inputs that
-    are not views of a buffer with room for T rows cannot be read that way (RuntimeError). Records each call's input
-    addresses in `runner.aux_rows_addresses`, the forward context's batch descriptor size beside P in
-    `runner.aux_rows_descriptors`, and counts the calls with P < T in `runner.replays_past_the_rows`.
+    In the engine process: from now on, run the aux rows piece as a CUDA graph captured for the most rows a step
+    samples, M, replays it when a step calls it with P < M rows: on M rows read from the addresses its inputs had
+    (the rows past P hold what earlier steps left there: NaN in the float ones here), its first P output rows used.
+    Inputs that are not views of a buffer with room for M rows cannot be read that way (RuntimeError). Records each
+    call's input addresses in `runner.aux_rows_addresses`, the forward context's batch descriptor size beside P in
+    `runner.aux_rows_descriptors`, and counts the calls with P < M in `runner.replays_past_the_rows`.
     """
     from vllm.forward_context import get_forward_context
 
     runner = worker.model_runner
     model = runner.model
     piece = model.aux_rows_model
-    primary_layer = model.model.layers[0].self_attn.attn.layer_name
+    max_rows = model.aux_row_inputs.rows.shape[0]
+    # The sampled rows unpadded again (the padding above makes every step of this engine sample M): P < M rows.
+    vars(runner).pop("_prepare_kv_sharing_fast_prefill", None)
     runner.aux_rows_addresses, runner.replays_past_the_rows, runner.aux_rows_descriptors = [], 0, []
 
     def replayed(*inputs):
         context = get_forward_context()
-        metadata = context.attn_metadata
-        num_tokens = inputs[0].shape[0] if metadata is None else metadata[primary_layer].num_actual_tokens
         runner.aux_rows_addresses.append(tuple(x.data_ptr() for x in inputs))
         # The descriptor a GPU's piecewise graph wrapper would pick this piece's graph by, beside the piece's rows.
         descriptor = context.batch_descriptor
         runner.aux_rows_descriptors.append((None if descriptor is None else descriptor.num_tokens, inputs[0].shape[0]))
-        if inputs[0].shape[0] < num_tokens:
+        if inputs[0].shape[0] < max_rows:
             runner.replays_past_the_rows += 1
-        captured = [x.as_strided((num_tokens, *x.shape[1:]), x.stride(), x.storage_offset()) for x in inputs]
+        captured = [x.as_strided((max_rows, *x.shape[1:]), x.stride(), x.storage_offset()) for x in inputs]
         for view, x in zip(captured, inputs):
             if view.is_floating_point():
                 view[x.shape[0] :] = math.nan
@@ -120,6 +121,8 @@ def dynamic_sizes_of_compiled_pieces(worker):
         if getattr(piece, "_dynamic_arg_dims", None) is None:  # not a compiled piece
             continue
         kwargs = dict(input_ids=input_ids.clone(), positions=positions.clone())
+        if piece is model.model:  # the primary piece, gathering the entering states at a fixed number of rows
+            kwargs["aux_rows"] = torch.zeros_like(model.aux_row_inputs.rows)
         if "entering" in piece._dynamic_arg_dims:
             kwargs["entering"] = entering.clone()
         for name, dim in piece._dynamic_arg_dims.items():
@@ -186,7 +189,7 @@ def test_padded_sampled_rows_give_the_unpadded_logits_exactly(served):
 
 def test_mixed_steps_replaying_a_graph_captured_for_every_row_give_the_unpadded_logits_exactly(served):
     unpadded, replayed, (replays_past_the_rows, addresses_per_input, descriptors) = served[0], served[5], served[6]
-    assert replays_past_the_rows > 0  # mixed and prefill steps: fewer sampled rows than tokens
+    assert replays_past_the_rows > 0  # steps with fewer sampled rows than a step samples at most
     # The batch descriptor, which picks the CUDA graph on a GPU, says the aux piece's own (padded) row count, not the
     # step's token count: each aux linear layer and expert replays on P rows.
     assert any(size is not None for size, _ in descriptors), descriptors
