@@ -1,7 +1,8 @@
 """
-Quantised loading of a converted Dual-Flow side by side with its Qwen3-MoE source (transformers' class): bitsandbytes
-4-bit and 8-bit and torchao int8 weight-only quantise the same weights in both, the aux flow's own modules stay full
-precision, and with the aux flow off the Dual-Flow model gives the source's greedy tokens under the same quantisation.
+Quantised loading of a converted Dual-Flow side by side with its Qwen3-MoE source (transformers'
+class): bitsandbytes 4-bit and 8-bit and torchao int8 weight-only quantise the same weights in both, the aux
+flow's own modules stay full precision, and with the aux flow off the Dual-Flow model gives the source's greedy
+tokens under the same quantisation.
 """
 
 import pytest
@@ -21,23 +22,28 @@ QUANTISATIONS = {
     "torchao-int8": lambda: TorchAoConfig(Int8WeightOnlyConfig()),
 }
 GREEDY = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
-# Qwen3-MoE's fused expert tensors, which torchao quantises when a config names them (transformers' `FqnToConfig`).
+# Qwen3-MoE's fused expert tensors, which torchao quantises when a config names them (`FqnToConfig`).
 EXPERT_WEIGHTS = r"re:.*\.mlp\.experts\.(gate_up_proj|down_proj)"
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """The tiny Qwen3-MoE source, its conversion, and the conversion with trained-looking (non-zero) couplings."""
+    """
+    The tiny Qwen3-MoE source, its conversion, and a conversion with two aux rounds and aux adapters whose
+    couplings, round gates and adapters look trained (non-zero).
+    """
     root = tmp_path_factory.mktemp("quantisation")
     source = save_source(make_source("qwen3_moe"), root / "source", "single")
-    converted = root / "dualflow"
-    convert_checkpoint(source, converted, show_progress=False)
-    coupled = AutoModelForCausalLM.from_pretrained(converted, trust_remote_code=True)
+    convert_checkpoint(source, root / "dualflow", show_progress=False)
+    convert_checkpoint(source, root / "adapted", aux_rounds=2, aux_adapter_rank=4, show_progress=False)
+    coupled = AutoModelForCausalLM.from_pretrained(root / "adapted", trust_remote_code=True)
+    torch.manual_seed(0)
     with torch.no_grad():
-        for layer in coupled.model.layers:
-            layer.aux_coupling.weight.normal_(std=0.5)
+        for name in coupled.aux_parameter_names():
+            if "coupling" in name or "round_gate" in name or name.endswith("_adapter.up"):
+                coupled.get_parameter(name).normal_(std=0.5)
     coupled.save_pretrained(root / "coupled")
-    return {"source": source, "dualflow": converted, "coupled": root / "coupled"}
+    return {"source": source, "dualflow": root / "dualflow", "coupled": root / "coupled"}
 
 
 def load(folder, quantization_config=None, **kwargs):
@@ -49,7 +55,7 @@ def load(folder, quantization_config=None, **kwargs):
 
 
 def quantised_weights(model) -> set[str]:
-    """Names of the parameters stored quantised (bitsandbytes' and torchao's tensor types, not a plain Parameter)."""
+    """Names of the parameters stored quantised (bitsandbytes' and torchao's types, not a plain Parameter)."""
     return {name for name, parameter in model.named_parameters() if type(parameter) is not torch.nn.Parameter}
 
 
@@ -74,17 +80,17 @@ def test_same_weights_quantised_and_source_tokens_with_the_aux_flow_off(folders,
     source = load(folders["source"], QUANTISATIONS[method]())
     dualflow = load(folders["dualflow"], QUANTISATIONS[method]())
     quantised = quantised_weights(source)
-    # Attention and the dense MLPs' projections; the fused experts, the router and lm_head stay full precision.
-    assert "model.layers.0.self_attn.q_proj.weight" in quantised and "model.layers.0.mlp.up_proj.weight" in quantised
+    # Attention and the dense MLPs' projections; the fused experts, router and lm_head stay full precision.
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= quantised
     assert not any(".experts." in name or ".gate." in name or "lm_head" in name for name in quantised)
-    assert quantised_weights(dualflow) == quantised  # the aux embedding and couplings among the unquantised rest
+    assert quantised_weights(dualflow) == quantised  # the aux embedding and couplings left unquantised
 
     expected = source.generate(PROMPT, **GREEDY)
     assert torch.equal(dualflow.generate(PROMPT, use_aux_flow=False, **GREEDY), expected)
     # Right after conversion the aux flow is the primary one (aux embedding a copy, couplings zero).
     assert torch.equal(dualflow.generate(PROMPT, **GREEDY), expected)
 
-    # The Dual-Flow model's extra bytes are its aux modules, unquantised; both models shrink by the same bytes.
+    # The Dual-Flow model's extra bytes are its aux modules, unquantised; both shrink by the same bytes.
     assert stored_bytes(dualflow) - stored_bytes(source) == aux_bytes(dualflow)
     saved = stored_bytes(load(folders["source"])) - stored_bytes(source)
     assert saved > 0 and stored_bytes(load(folders["dualflow"])) - stored_bytes(dualflow) == saved
@@ -95,19 +101,21 @@ def test_aux_flow_on_a_quantised_model_with_couplings(folders, method):
     source = load(folders["source"], QUANTISATIONS[method]())
     coupled = load(folders["coupled"], QUANTISATIONS[method]())
     assert not any("aux_" in name for name in quantised_weights(coupled))
-    assert torch.equal(coupled.generate(PROMPT, use_aux_flow=False, **GREEDY), source.generate(PROMPT, **GREEDY))
+    expected = source.generate(PROMPT, **GREEDY)
+    assert torch.equal(coupled.generate(PROMPT, use_aux_flow=False, **GREEDY), expected)
     with torch.no_grad():
         output = coupled(PROMPT)
-    # The couplings feed the primary states into the aux flow: its predictions differ, the primary ones do not.
+    # Couplings, round gates and adapters change the aux flow's predictions, not the primary flow's.
     assert (output.logits - output.primary_logits).abs().max() > 1e-2
     with torch.no_grad():
         torch.testing.assert_close(output.primary_logits, source(PROMPT).logits, rtol=0, atol=1e-5)
-    assert coupled.generate(PROMPT, **GREEDY).shape == (PROMPT.shape[0], PROMPT.shape[1] + GREEDY["max_new_tokens"])
+    generated = coupled.generate(PROMPT, **GREEDY)
+    assert generated.shape == (PROMPT.shape[0], PROMPT.shape[1] + GREEDY["max_new_tokens"])
 
 
 def test_torchao_quantises_the_fused_experts_of_both_when_told_to(folders):
     config = TorchAoConfig(FqnToConfig({EXPERT_WEIGHTS: Int8WeightOnlyConfig()}))
-    # torchao's int8 tensors have no transpose, which transformers' default (grouped_mm) experts kernel needs.
+    # torchao's int8 tensors have no transpose, which the default (grouped_mm) experts kernel needs.
     source = load(folders["source"], config, experts_implementation="eager")
     dualflow = load(folders["dualflow"], config, experts_implementation="eager")
     experts = {f"model.layers.1.mlp.experts.{name}" for name in ("gate_up_proj", "down_proj")}
@@ -119,8 +127,8 @@ def test_torchao_quantises_the_fused_experts_of_both_when_told_to(folders):
 
 def test_fp8_swaps_the_same_modules_experts_included(folders):
     """
-    transformers' block-FP8 quantizer (a GPU's, on the fly) swaps each `.experts` module for its FP8 experts and each
-    nn.Linear but lm_head for an FP8 linear: run on both models' skeletons, it swaps the same modules in both.
+    transformers' block-FP8 quantizer (a GPU's, on the fly) swaps each `.experts` module for its FP8 experts
+    and each nn.Linear but lm_head for an FP8 linear: run on both models' skeletons, it swaps the same modules.
     """
     swapped = {}
     for name in ("source", "dualflow"):
@@ -128,8 +136,8 @@ def test_fp8_swaps_the_same_modules_experts_included(folders):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
         FineGrainedFP8HfQuantizer(FineGrainedFP8Config())._process_model_before_weight_loading(model)
-        swapped[name] = {module_name: type(module).__name__ for module_name, module in model.named_modules()}
-        swapped[name] = {module_name: kind for module_name, kind in swapped[name].items() if kind.startswith("FP8")}
+        kinds = {module_name: type(module).__name__ for module_name, module in model.named_modules()}
+        swapped[name] = {module_name: kind for module_name, kind in kinds.items() if kind.startswith("FP8")}
     assert swapped["source"]["model.layers.1.mlp.experts"].startswith("FP8Experts")
     assert "model.layers.0.self_attn.q_proj" in swapped["source"] and "lm_head" not in swapped["source"]
     assert swapped["dualflow"] == swapped["source"]
