@@ -20,6 +20,7 @@ from functools import cache, cached_property
 import torch
 from safetensors import safe_open
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ReqMeta
 from vllm.logger import init_logger
 
 
@@ -56,13 +57,67 @@ class SkipKVSharingLayers:
             super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
 
+@dataclasses.dataclass
+class LoadFromConnector(ReqMeta):
+    """The ExampleConnector's load of a request (it writes the whole aligned prompt), with the tokens the connector
+    provides: `num_external_tokens` from `first_external_token` on. The blocks before them are the engine's own
+    prefix cache, which other requests may share."""
+
+    first_external_token: int = 0
+    num_external_tokens: int = 0
+
+
 class RefuseOtherModelsFiles:
     """
     Mixed in before the ExampleConnector, whose files hold one layer's KV of one prompt and nothing of the model that
     wrote them: a request whose files miss one of this model's KV-owning layers (a producer with fewer layers) or hold
-    KV of another shape per token (other heads or head size) is not loaded, and its blocks are load errors. A producer
-    with more layers of the same shapes cannot be told apart by these files.
+    KV of another shape per token (other heads or head size) is not loaded, and the blocks it was to get from the
+    connector are load errors: not the blocks of its prompt the engine found in its own prefix cache, which other
+    running requests may share. A producer with more layers of the same shapes cannot be told apart by these files.
     """
+
+    # Scheduler side: which tokens each request loads from the connector, past its local prefix cache hit.
+
+    @cached_property
+    def _local_hits(self) -> dict[str, int]:
+        return {}
+
+    @cached_property
+    def _external_tokens(self) -> dict[str, tuple[int, int]]:
+        return {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        self._local_hits[request.request_id] = num_computed_tokens
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        local_hit = self._local_hits.pop(request.request_id, 0)
+        if num_external_tokens > 0:
+            self._external_tokens[request.request_id] = (local_hit, num_external_tokens)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def request_finished(self, request, block_ids):
+        self._local_hits.pop(request.request_id, None)  # a request that ends before it is scheduled
+        return super().request_finished(request, block_ids)
+
+    def build_connector_meta(self, scheduler_output):
+        # The loads the ExampleConnector adds, in its order: new requests, then those resumed after preemption.
+        cached = scheduler_output.scheduled_cached_reqs
+        loading = [new.req_id for new in scheduler_output.scheduled_new_reqs if new.req_id in self._external_tokens]
+        loading += [id_ for id_ in cached.req_ids if id_ in cached.resumed_req_ids and id_ in self._external_tokens]
+        metadata = super().build_connector_meta(scheduler_output)  # it asserts one load per request it was told of
+        loading = iter(loading)
+        for i, request in enumerate(metadata.requests):
+            if not request.is_store:
+                fields = {field.name: getattr(request, field.name) for field in dataclasses.fields(ReqMeta)}
+                first, count = self._external_tokens[next(loading)]
+                metadata.requests[i] = LoadFromConnector(
+                    **fields, first_external_token=first, num_external_tokens=count
+                )
+        self._external_tokens.clear()
+        return metadata
+
+    # Worker side
 
     def start_load_kv(self, forward_context, **kwargs):
         metadata = self._get_connector_metadata()
@@ -73,7 +128,9 @@ class RefuseOtherModelsFiles:
                 loaded.append(request)
             else:
                 logger.warning("KV of a %d-token prompt not loaded: %s", len(request.slot_mapping), problem)
-                self._blocks_with_load_errors.update((request.slot_mapping // self._block_size).tolist())
+                first = request.first_external_token
+                external = request.slot_mapping[first : first + request.num_external_tokens]
+                self._blocks_with_load_errors.update((external // self._block_size).tolist())
         metadata.requests = loaded
         super().start_load_kv(forward_context, **kwargs)
 

@@ -15,6 +15,7 @@ from vllm_reference import (
     ENGINE_ARGS,
     SOURCE,
     assert_matches_transformers,
+    hf_greedy,
     load_reference,
     random_prompts,
     running_engine,
@@ -132,6 +133,67 @@ def test_kv_of_another_model_is_refused(checkpoint, storage, tmp_path, caplog):
     with running_engine(checkpoint, enable_prefix_caching=False, **recompute) as consumer:
         recomputed = served_greedy(consumer, other_prompts + [prompt], MAX_NEW_TOKENS)
     assert_matches_transformers(recomputed, other_prompts + [prompt], load_reference(checkpoint), MAX_NEW_TOKENS)
+
+
+# Two requests share a two-block prefix; a third with the same prefix, 40 tokens past it, finds the prefix's two blocks
+# in the engine's cache and one more block in the connector's files.
+PREFIX = random_prompts([2 * BLOCK_SIZE], seed=9)[0]
+SHARING = [PREFIX + suffix for suffix in random_prompts([10, 12, 40], seed=10)]
+
+
+def serve_third_while_two_run(consumer) -> dict[str, tuple[str, list[int]]]:
+    """The first two prompts of SHARING prefilled and decoding, then the third added: each request's finish reason and
+    tokens, by prompt index."""
+    from vllm import SamplingParams
+
+    engine = consumer.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    for i in (0, 1):
+        engine.add_request(str(i), {"prompt_token_ids": SHARING[i]}, params)
+    finished = {}
+    for step in range(100):
+        if step == 1:  # the first two were prefilled in step 0 and run
+            engine.add_request("2", {"prompt_token_ids": SHARING[2]}, params)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = (output.outputs[0].finish_reason, list(output.outputs[0].token_ids))
+        if step > 0 and not engine.has_unfinished_requests():
+            return finished
+    raise AssertionError("the requests did not finish")
+
+
+def prefix_cache_hits(consumer) -> float:
+    return sum(metric.value for metric in consumer.get_metrics() if metric.name == "vllm:prefix_cache_hits")
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_refused_file_fails_only_its_request_when_other_requests_share_its_cached_prefix(
+    checkpoint, tmp_path, policy, caplog
+):
+    reference = load_reference(checkpoint)
+    alone = [hf_greedy(reference, prompt, MAX_NEW_TOKENS)[0] for prompt in SHARING]
+    options = connector("kv_consumer", tmp_path)
+    options["kv_transfer_config"]["kv_load_failure_policy"] = policy
+    budget = dict(max_num_batched_tokens=256)  # both first prompts prefilled in one step
+    caplog.clear()
+    with running_engine(
+        checkpoint, enable_prefix_caching=True, disable_log_stats=False, **budget, **options
+    ) as consumer:
+        # The third prompt's files: KV of another shape per token (another model's), for its three whole blocks.
+        third = SHARING[2]
+        whole_blocks = torch.tensor(third[: (len(third) - 1) // BLOCK_SIZE * BLOCK_SIZE])
+        folder = Path(get_kv_transfer_group()._generate_foldername_debug(whole_blocks, [], create_folder=True))
+        for layer in range(SOURCE["num_hidden_layers"]):
+            path = folder / f"model.layers.{layer}.self_attn.attn.safetensors"
+            save_file({"kv_cache": torch.zeros(len(whole_blocks), 2, 1, 64)}, path)
+        finished = serve_third_while_two_run(consumer)
+        # The third request found the two prefix blocks in the engine's own cache (the first two requests' blocks).
+        assert prefix_cache_hits(consumer) >= 2 * BLOCK_SIZE
+    assert "KV of a 96-token prompt not loaded: layer model.layers.0.self_attn.attn holds KV of shape" in caplog.text
+    # The requests sharing the cached prefix finish with the tokens they have alone.
+    assert [finished[str(i)] for i in (0, 1)] == [("length", alone[0]), ("length", alone[1])]
+    # The third ends with an error ("fail") or computes its block itself ("recompute").
+    assert finished["2"] == (("error", []) if policy == "fail" else ("length", alone[2]))
 
 
 @pytest.mark.parametrize("name", ["NixlConnector", "LMCacheConnectorV1", "OffloadingConnector"])
