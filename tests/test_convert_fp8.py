@@ -184,12 +184,16 @@ def _bad_fp8_sources(tmp_path: Path) -> dict:
         [],
         f"fp8 checkpoints without weight_block_size (per-tensor scales) are not supported: {ADVICE}",
     )
-    static = {**FP8_CONFIG, "activation_scheme": "static"}
-    cases["fp8 static activations"] = (
-        _config_only(tmp_path / "static", static),
-        [],
-        f"fp8 checkpoints with activation_scheme='static' are not supported (only 'dynamic'): {ADVICE}",
-    )
+    for name, value, supported in [
+        ("activation_scheme", "static", "dynamic"),
+        ("scale_fmt", "ue8m0", "float"),
+        ("expert_dtype", "fp4", "fp8"),
+    ]:
+        cases[f"fp8 {name}"] = (
+            _config_only(tmp_path / name, {**FP8_CONFIG, name: value}),
+            [],
+            f"fp8 checkpoints with {name}={value!r} are not supported (only {supported!r}): {ADVICE}",
+        )
 
     source = make_source("qwen3_moe", **EDGE_BLOCKS)
     weight = "model.layers.1.mlp.experts.1.up_proj.weight"
