@@ -11,7 +11,8 @@ AutoConfig.register("dualflow", DualFlowConfig, exist_ok=True)
 AutoModel.register(DualFlowConfig, DualFlowModel, exist_ok=True)
 AutoModelForCausalLM.register(DualFlowConfig, DualFlowForCausalLM, exist_ok=True)
 
-# save_pretrained then writes `auto_map` and copies the code files, so the folder loads with trust_remote_code.
+# save_pretrained then writes `auto_map` and copies the code files, so the folder loads with
+# trust_remote_code.
 DualFlowConfig.register_for_auto_class()
 DualFlowModel.register_for_auto_class("AutoModel")
 DualFlowForCausalLM.register_for_auto_class("AutoModelForCausalLM")
@@ -25,4 +26,10 @@ REMOTE_CODE_FILES = (
     "cache_dualflow.py",
 )
 
-__all__ = ["DualFlowCache", "DualFlowConfig", "DualFlowForCausalLM", "DualFlowModel", "DualFlowPreTrainedModel"]
+__all__ = [
+    "DualFlowCache",
+    "DualFlowConfig",
+    "DualFlowForCausalLM",
+    "DualFlowModel",
+    "DualFlowPreTrainedModel",
+]

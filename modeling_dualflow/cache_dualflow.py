@@ -5,15 +5,16 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLa
 
 class DualFlowCache(DynamicCache):
     """
-    The cache `generate` runs a Dual-Flow model on: the primary flow's keys and values only, written by the primary
-    rows (the aux flow reads them and writes nothing), so it is the size of the base model's cache for the same tokens
-    and `get_seq_length()` counts primary tokens. Everything else (sliding-window layers, offloading, `crop`,
-    `reorder_cache`, `batch_select_indices`) is `DynamicCache`'s; static and quantized caches work too.
+    The cache `generate` runs a Dual-Flow model on: the primary flow's keys and values only, written by the
+    primary rows (the aux flow reads them and writes nothing). It is the size of the base model's cache for
+    the same tokens, and `get_seq_length()` counts primary tokens. Everything else (sliding-window layers,
+    offloading, `crop`, `reorder_cache`, `batch_select_indices`) is `DynamicCache`'s; static and quantized
+    caches work too.
     """
 
     @classmethod
     def from_cache(cls, cache: Cache, config) -> "DualFlowCache":
-        """A copy of a cache the base model filled (a `DynamicCache` or `StaticCache`); other shapes are refused."""
+        """A copy of a cache that the base model filled (a `DynamicCache` or `StaticCache`)."""
         check_cache_shapes(cache, config)
         new = cls(config=config)
         for source, target in zip(cache.layers, new.layers):
@@ -21,7 +22,9 @@ class DualFlowCache(DynamicCache):
                 continue
             if isinstance(source, StaticSlidingWindowLayer):
                 # its slots are a ring buffer: the order of the tokens it keeps is not the order they came in
-                raise ValueError("a static sliding-window cache cannot be copied: pass it to `generate` as it is")
+                raise ValueError(
+                    "a static sliding-window cache cannot be copied: pass it to `generate` as it is"
+                )
             length = int(source.get_seq_length())
             # a static layer holds `max_cache_len` slots, a sliding one the last window of tokens
             kept = min(length, source.keys.shape[-2])
@@ -37,15 +40,20 @@ class DualFlowCache(DynamicCache):
 
 
 def check_cache_shapes(cache: Cache, config, tp_size: int | None = None) -> None:
-    """Refuse a cache a model of other shapes filled: its keys would fail deep in attention, or be read as ours."""
+    """Refuses a cache filled by a model of other shapes: its keys would fail, or be read as this model's."""
     # under tensor parallelism each rank caches its own share of the heads
     expected = (config.num_hidden_layers, config.num_key_value_heads // (tp_size or 1), config.head_dim)
     for keys in (getattr(layer, "keys", None) for layer in cache.layers):
-        found = (len(cache.layers), keys.shape[1], keys.shape[-1]) if keys is not None and keys.dim() == 4 else None
+        found = (
+            (len(cache.layers), keys.shape[1], keys.shape[-1])
+            if keys is not None and keys.dim() == 4
+            else None
+        )
         if found not in (None, expected):
             raise ValueError(
-                f"the cache holds {found[0]} layers of {found[1]} key/value heads of size {found[2]}, this model needs "
-                f"{expected[0]} of {expected[1]} of size {expected[2]}: it was filled by a model of other shapes"
+                f"the cache holds {found[0]} layers of {found[1]} key/value heads of size {found[2]}, "
+                f"this model needs {expected[0]} of {expected[1]} of size {expected[2]}: "
+                "it was filled by a model of other shapes"
             )
 
 

@@ -21,40 +21,53 @@ RETIRED_FIELDS = ("aux_train_fraction", "aux_train_positions")
 @strict
 class DualFlowConfig(PreTrainedConfig):
     r"""
-    Configuration of a Dual-Flow causal LM: a standard decoder (dense or MoE, Llama / Mistral / Qwen / Mixtral /
-    OLMoE style) whose primary flow processes the prompt and owns the KV cache, plus an auxiliary flow that runs only
-    where a next-token prediction is needed.
+    Configuration of a Dual-Flow causal LM: a standard decoder (dense or MoE, Llama / Mistral / Qwen / Mixtral
+    / OLMoE style) whose primary flow processes the prompt and owns the KV cache, plus an auxiliary flow that
+    runs only where a next-token prediction is needed. Field names follow transformers' own configs.
 
-    Field names follow transformers' own configs. Family-specific switches:
-        qkv_bias (`bool`, *optional*): bias on q/k/v projections; `None` follows `attention_bias`, which also sets the
-            o_proj bias (Qwen2 style models: `qkv_bias=True, attention_bias=False`).
-        qk_norm (`str`, *optional*): `"per_head"` (Qwen3: RMSNorm over head_dim), `"full"` (OLMoE: RMSNorm over the
-            whole q / k projection) or `None`.
-        clip_qkv (`float`, *optional*): clamp q/k/v to [-clip_qkv, clip_qkv] (OLMoE).
-        num_experts (`int`): 0 builds dense MLPs and ignores every top-k field.
-        shared_expert_intermediate_size (`int`): > 0 adds a Qwen2-MoE shared expert with a sigmoid gate.
+    Family-specific fields:
+        qkv_bias (`bool`, *optional*):
+            Bias on the q/k/v projections; `None` follows `attention_bias`, which also sets the o_proj bias
+            (Qwen2-style models: `qkv_bias=True, attention_bias=False`).
+        qk_norm (`str`, *optional*):
+            `"per_head"` (Qwen3: RMSNorm over head_dim), `"full"` (OLMoE: RMSNorm over the whole q / k
+            projection) or `None`.
+        clip_qkv (`float`, *optional*):
+            Clamp q/k/v to [-clip_qkv, clip_qkv] (OLMoE).
+        num_experts (`int`):
+            0 builds dense MLPs and ignores every top-k field.
+        shared_expert_intermediate_size (`int`):
+            > 0 adds a Qwen2-MoE shared expert with a sigmoid gate.
+
     Dual-Flow fields:
-        aux_num_experts_per_tok (`int`, *optional*): expert top-k of the auxiliary flow (k_a); defaults to
-            `num_experts_per_tok` (k_p).
-        primary_loss_weight (`float`): training loss = CE(aux) + primary_loss_weight * CE(primary).
-        use_aux_flow (`bool`): default for the `use_aux_flow` forward/generate argument.
-        aux_num_rounds (`int`): passes of the aux flow through the layers (R). Rounds after the first run the aux rows
-            alone against the primary K/V of the first round and write nothing; each layer gates their residual
-            updates with an `aux_round_gate` that starts at `aux_round_gate_init` (open in a new model, closed in a
-            converted one, which so still computes as its source). 1 (the default) is the paper's form and builds no
-            gates.
-        aux_embed_init (`str`): how a model built from scratch starts its aux token embedding: "copy" (the default: a
-            copy of the primary embedding, as conversion writes; it trained better from scratch in the Dual-Flow
-            experiments) or "independent" (a random draw of its own, like any embedding). Loaded weights
-            are never touched.
-        aux_round_gate_init (`float`, *optional*): value the round gates start at when weights are initialised (a model
-            built from scratch, or gates a checkpoint lacks). `None` (the default) means 1 for a config made with
-            `aux_num_rounds` > 1 (open gates trained better from scratch in the Dual-Flow experiments) and 0 otherwise;
-            the config stores the number, so a saved model keeps it. 0 makes the extra rounds start as the identity,
-            which conversion writes.
-        aux_adapter_rank (`int`): rank of the aux adapters, low-rank deltas on each layer's q_proj, o_proj and MLP / MoE
-            block output that act on aux rows only (`aux_q_adapter`, `aux_o_adapter`, `aux_mlp_adapter`); their up
-            projection starts at zero, so a converted model still computes as its source. 0 (the default) builds none.
+        aux_num_experts_per_tok (`int`, *optional*):
+            Expert top-k of the auxiliary flow (k_a); defaults to `num_experts_per_tok` (k_p).
+        primary_loss_weight (`float`):
+            Training loss = CE(aux) + primary_loss_weight * CE(primary).
+        use_aux_flow (`bool`):
+            Default for the `use_aux_flow` argument of `forward` and `generate`.
+        aux_num_rounds (`int`):
+            Passes of the aux flow through the layers (R). Rounds after the first run the aux rows alone
+            against the primary keys/values of the first round and write nothing; each layer gates their
+            residual updates with an `aux_round_gate` that starts at `aux_round_gate_init` (open in a new
+            model, closed in a converted one, which so still computes as its source). 1 (the default) is the
+            paper's form and builds no gates.
+        aux_embed_init (`str`):
+            How a model built from scratch starts its aux token embedding: "copy" (the default: a copy of the
+            primary embedding, as conversion writes; it trained better from scratch in the Dual-Flow
+            experiments) or "independent" (a random draw of its own, like any embedding). Loaded weights are
+            never touched.
+        aux_round_gate_init (`float`, *optional*):
+            The value the round gates start at when weights are initialised (a model built from scratch, or
+            gates a checkpoint lacks). `None` (the default) means 1 for a config made with more than one aux
+            round (open gates trained better from scratch in the Dual-Flow experiments) and 0 otherwise; the
+            config stores the number, so a saved model keeps it. 0 makes the extra rounds start as the
+            identity, which conversion writes.
+        aux_adapter_rank (`int`):
+            Rank of the aux adapters: low-rank deltas on each layer's q_proj, o_proj and MLP / MoE block
+            output that act on aux rows only (`aux_q_adapter`, `aux_o_adapter`, `aux_mlp_adapter`). Their up
+            projection starts at zero, so a converted model still computes as its source. 0 (the default)
+            builds none.
     """
 
     model_type = "dualflow"
@@ -72,8 +85,8 @@ class DualFlowConfig(PreTrainedConfig):
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
     }
-    # `qk_norm="full"` (OLMoE) normalises the whole q / k projection, which a head-sharded projection cannot do:
-    # those models gather the projections' output instead, as transformers' OLMoE plan does.
+    # `qk_norm="full"` (OLMoE) normalises the whole q / k projection, which a head-sharded projection cannot
+    # do: those models gather the projections' output instead, as transformers' OLMoE plan does.
     full_qk_norm_attention_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise_gather_output",
         "layers.*.self_attn.k_proj": "colwise_gather_output",
@@ -161,7 +174,7 @@ class DualFlowConfig(PreTrainedConfig):
             self.aux_num_experts_per_tok = self.num_experts_per_tok
         if self.aux_round_gate_init is None:
             self.aux_round_gate_init = 1.0 if self.aux_num_rounds > 1 else 0.0
-        # Checked here rather than in a `validate_*` hook: @strict wraps those errors in a non-ValueError type.
+        # Checked here rather than in a `validate_*` hook: @strict wraps those errors in another type.
         self._check_fields()
         self._plans_for_existing_modules()
         super().__post_init__(**kwargs)
@@ -169,23 +182,24 @@ class DualFlowConfig(PreTrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs):
         config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        # transformers only warns and then builds a randomly initialised model from another architecture's config
+        # transformers only warns, then builds a randomly initialised model from another architecture's config
         model_type = config_dict.get("model_type")
         if model_type not in (None, cls.model_type):
             raise ValueError(
-                f"{pretrained_model_name_or_path} holds a {model_type!r} checkpoint, not a Dual-Flow one: convert it "
-                f"first (pip install dualflow-transformers; dualflow convert {pretrained_model_name_or_path} OUT)"
+                f"{pretrained_model_name_or_path} holds a {model_type!r} checkpoint, not a Dual-Flow one: "
+                "convert it first (pip install dualflow-transformers; "
+                f"dualflow convert {pretrained_model_name_or_path} OUT)"
             )
         return config_dict, kwargs
 
     def to_dict(self) -> dict:
         config_dict = super().to_dict()
-        # Saved as remote code, the model file also holds the base model: let AutoModel find it next to the causal LM.
+        # Saved as remote code, the model file also holds the base model: AutoModel finds it beside the causal
+        # LM.
         causal_lm = (config_dict.get("auto_map") or {}).get("AutoModelForCausalLM")
         if causal_lm is not None:
-            config_dict["auto_map"] = {"AutoModel": causal_lm.rsplit(".", 1)[0] + ".DualFlowModel"} | config_dict[
-                "auto_map"
-            ]
+            base_model = causal_lm.rsplit(".", 1)[0] + ".DualFlowModel"
+            config_dict["auto_map"] = {"AutoModel": base_model} | config_dict["auto_map"]
         return config_dict
 
     def _plans_for_existing_modules(self):
@@ -251,21 +265,27 @@ class DualFlowConfig(PreTrainedConfig):
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
-                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
             )
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         if bad_layers:
-            raise ValueError(f"mlp_only_layers holds layer indices outside [0, {self.num_hidden_layers}): {bad_layers}")
+            raise ValueError(
+                f"mlp_only_layers holds layer indices outside [0, {self.num_hidden_layers}): {bad_layers}"
+            )
         if self.shared_expert_intermediate_size < 0:
             raise ValueError(
                 f"shared_expert_intermediate_size must be >= 0, got {self.shared_expert_intermediate_size}"
             )
 
     def check_aux_settings(self, aux_num_experts_per_tok, aux_num_rounds) -> None:
-        """Raise an error naming a bad aux top-k or number of aux rounds: this config's own, or those of one call."""
-        for name, value in (("aux_num_experts_per_tok", aux_num_experts_per_tok), ("aux_num_rounds", aux_num_rounds)):
+        """Raises an error naming a bad aux top-k or number of aux rounds: the config's own, or one call's."""
+        for name, value in (
+            ("aux_num_experts_per_tok", aux_num_experts_per_tok),
+            ("aux_num_rounds", aux_num_rounds),
+        ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if aux_num_rounds < 1:
@@ -273,12 +293,13 @@ class DualFlowConfig(PreTrainedConfig):
         if self.num_experts == 0 and aux_num_experts_per_tok != self.num_experts_per_tok:
             # dense: the top-k fields are not used, but an aux top-k of its own asks for experts
             raise ValueError(
-                f"aux_num_experts_per_tok={aux_num_experts_per_tok} needs a MoE model (num_experts > 0); this model "
-                "is dense"
+                f"aux_num_experts_per_tok={aux_num_experts_per_tok} needs a MoE model (num_experts > 0); "
+                "this model is dense"
             )
         if self.num_experts and not 1 <= aux_num_experts_per_tok <= self.num_experts:
             raise ValueError(
-                f"aux_num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {aux_num_experts_per_tok}"
+                f"aux_num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                f"got {aux_num_experts_per_tok}"
             )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
