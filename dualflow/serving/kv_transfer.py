@@ -182,6 +182,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def moves_kv_this_step() -> bool:
+    """Whether the engine's KV connector loads or saves anything in the step under way (its metadata, bound for the
+    step, lists requests: the ExampleConnector's loads and saves)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return False
+    connector = get_kv_transfer_group()
+    return connector.has_connector_metadata() and bool(connector._get_connector_metadata().requests)
+
+
 def uses_kv_connector(vllm_config) -> bool:
     """Whether the engine is configured with a KV connector (disaggregated prefill, KV offloading)."""
     return vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector is not None

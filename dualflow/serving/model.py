@@ -53,7 +53,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.sequence import IntermediateTensors
 
 from . import vllm_internals
-from .kv_transfer import uses_kv_connector
+from .kv_transfer import moves_kv_this_step
 
 
 class DualFlowMLP(nn.Module):
@@ -677,9 +677,7 @@ class DualFlowForCausalLM(nn.Module):
                 vllm_config.model_config.dtype,
                 next(self.model.parameters()).device,
             )
-            # With a KV connector every step takes the two-call path: vLLM's connector hooks wrap each layer's own
-            # attention call, and the every-row piece writes the primary K/V without one.
-            if not uses_kv_connector(vllm_config) and self.model.layers[0].self_attn.can_attend_both_flows_at_once():
+            if self.model.layers[0].self_attn.can_attend_both_flows_at_once():
                 with vllm_internals.compiled_model_tag("dualflow_every_row_sampled"):
                     self.every_row_model = DualFlowEveryRowModel(
                         vllm_config=vllm_config, prefix=maybe_prefix(prefix, "every_row_model"), model=self.model
@@ -703,7 +701,9 @@ class DualFlowForCausalLM(nn.Module):
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         num_tokens = input_ids.shape[0]
         sampled = self.model.sampled_rows(num_tokens)
-        if sampled is None and self.every_row_model is not None:
+        # A step whose KV connector loads or saves takes the two-call path: vLLM's connector hooks wrap each layer's
+        # own attention call, and the every-row piece writes the primary K/V without one.
+        if sampled is None and self.every_row_model is not None and not moves_kv_this_step():
             if get_forward_context().attn_metadata is None:
                 # A dummy run (warm-up, profiling, graph capture): compile, warm (capture) the other two pieces as
                 # well, with as many rows sampled as a step samples at most.

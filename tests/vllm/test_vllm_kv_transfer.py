@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_vllm_parity import record_attention_calls, recorded_attention_calls
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 from vllm_reference import (
@@ -72,8 +73,16 @@ def test_base_model_prefill_then_dual_flow_decode(checkpoint, storage):
     with running_engine(checkpoint, enable_prefix_caching=False, **connector("kv_consumer", storage)) as consumer:
         # the engine configuration swapped in the subclass that skips the aux (KV-sharing) layers
         assert type(get_kv_transfer_group()).__name__ == "DualFlowExampleConnector"
+        consumer.apply_model(record_attention_calls)
         outputs = served_greedy(consumer, PROMPTS, MAX_NEW_TOKENS)
         assert_matches_transformers(outputs, PROMPTS, reference, MAX_NEW_TOKENS)
+        # Once every prompt is in, the steps load and save nothing: each runs the one-piece path, whose layers call
+        # the aux attention alone (both flows' queries), not the primary layer's.
+        primary, aux = "model.layers.0.self_attn.attn", "model.aux_attn.0"
+        calls = [name for name, _, _ in consumer.apply_model(recorded_attention_calls)[0] if name in (primary, aux)]
+        after_last_prefill = calls[len(calls) - calls[::-1].index(primary) :]
+        assert after_last_prefill == [aux] * len(after_last_prefill)
+        assert len(after_last_prefill) >= MAX_NEW_TOKENS - 1
         # the tokens come from the loaded KV: with the primary layer 0's keys and values scaled, they change
         layer_0 = {path: load_file(path) for path in storage.rglob("*layers.0.self_attn.attn.safetensors")}
         try:
