@@ -7,6 +7,7 @@ scheduler) ends in one line; any other exception is a bug in our code and keeps 
 
 import argparse
 import importlib
+import logging
 import signal
 import sys
 from importlib.metadata import version
@@ -62,8 +63,15 @@ def close_progress_bars() -> None:
         bar.close()
 
 
+# Loggers that speak when transformers imports torchao (installed for quantisation) on a CPU-only torch: torchao's
+# CUDA kernels fail to load, and torch notes that torchao registers Enum types. Nothing the user can act on.
+IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for name in IMPORT_TIME_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints the help or the usage error and exits
     command = argv[0]

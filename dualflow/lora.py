@@ -55,7 +55,7 @@ def dualflow_lora_config(
         target_modules=ATTENTION_PROJECTIONS + MLP_PROJECTIONS
         if target_modules is None
         else [name for name in target_modules if name != "experts"],
-        target_parameters=FUSED_EXPERT_PARAMETERS if experts else None,
+        target_parameters=FUSED_EXPERT_PARAMETERS + ["mlp.gate.weight"] if experts else None,
         rank_pattern={FUSED_TWO_PROJECTIONS: 2 * r} if experts else {},
         alpha_pattern={FUSED_TWO_PROJECTIONS: 2 * lora_alpha} if experts else {},
         modules_to_save=AUX_MODULES if train_aux_modules else None,

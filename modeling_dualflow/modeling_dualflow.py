@@ -90,6 +90,8 @@ class DualFlowSparseMoeBlock(nn.Module):
     def __init__(self, config: DualFlowConfig):
         super().__init__()
         self.top_k = config.num_experts_per_tok
+        # kept here, not read from the router: PEFT's LoRA on the router wraps it in a module without it
+        self.norm_topk_prob = config.norm_topk_prob
         self.gate = DualFlowRouter(config)
         self.experts = DualFlowExperts(config)
         self.shared_expert = self.shared_expert_gate = None
@@ -105,7 +107,7 @@ class DualFlowSparseMoeBlock(nn.Module):
             aux_top_k = self.top_k
         is_aux_row = (torch.arange(num_rows, device=flat.device) >= num_primary).repeat(batch_size)
         _, router_probs = self.gate(flat)
-        norm_topk_prob = self.gate.norm_topk_prob
+        norm_topk_prob = self.norm_topk_prob
         weights, indices = route_two_top_k(router_probs, is_aux_row, self.top_k, aux_top_k, norm_topk_prob)
         weights = weights.to(flat.dtype)
         if aux_top_k == self.top_k:  # one fan-out for every row

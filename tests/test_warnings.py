@@ -90,11 +90,14 @@ def run_recording(code: str, cwd: Path) -> list[str]:
 # Not ours: PEFT reads `is_gradient_checkpointing`, which transformers 5.23 made a deprecated alias; PEFT on any
 # transformers model warns so (the test below shows it on transformers' own Qwen3-MoE).
 PEFT_ON_ANY_MODEL = "`is_gradient_checkpointing` is deprecated"
+# Not ours either: importing bitsandbytes (PEFT does when it is installed) compiles its kernels, and torch's compiler
+# imports torch.utils.mkldnn, whose classes use the deprecated `torch.jit.script_method` (the test below shows it).
+TORCH_ON_BITSANDBYTES_IMPORT = "`torch.jit.script_method` is deprecated"
 
 
 def deprecations(messages: list[str]) -> list[str]:
     flagged = [m for m in messages if "deprecat" in m.lower() or "FutureWarning" in m or "pin_memory" in m]
-    return [m for m in flagged if PEFT_ON_ANY_MODEL not in m]
+    return [m for m in flagged if PEFT_ON_ANY_MODEL not in m and TORCH_ON_BITSANDBYTES_IMPORT not in m]
 
 
 def test_the_peft_warning_left_out_above_comes_with_transformers_own_models():
@@ -108,6 +111,11 @@ def test_the_peft_warning_left_out_above_comes_with_transformers_own_models():
     warned = any(PEFT_ON_ANY_MODEL in str(w.message) for w in caught)
     # transformers 5.23 renamed the property (the old name warns from then on)
     assert warned == hasattr(PreTrainedModel, "is_activation_checkpointing")
+
+
+def test_the_torch_warning_left_out_above_comes_with_importing_bitsandbytes(tmp_path):
+    code = "import bitsandbytes\n"
+    assert any(TORCH_ON_BITSANDBYTES_IMPORT in message for message in run_recording(code, tmp_path))
 
 
 def test_demo_compare_and_lora_paths_trigger_no_deprecation(tmp_path):
