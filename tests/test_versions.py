@@ -105,6 +105,7 @@ PRIVATE_TRANSFORMERS_NAMES = {
     "_init_weights": "PreTrainedModel's weight-init hook every model overrides",
     "_prepare_cache_for_generation": "the hook in-tree models override to choose their cache (t5gemma)",
     "_get_resized_embeddings": "resizes an extra embedding table by transformers' rule (gemma3n, gemma4)",
+    "_can_set_experts_implementation": "transformers' check that a model takes experts kernels (reads its file)",
 }
 # Other models' helpers the remote code imports (their classes are reused as-is; the helpers are still to write out).
 OTHER_MODELS_HELPERS = {
