@@ -27,12 +27,11 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM, TorchAoConfig
 
 from dualflow.convert import convert_checkpoint
-from dualflow.instruments.probes import peak_memory_bytes, peak_memory_method
+from dualflow.instruments.probes import peak_memory_bytes, peak_memory_method, stored_bytes
 from dualflow.lora import add_lora, qlora_quantization_config
 
 
@@ -63,16 +62,6 @@ def source_config(args) -> Qwen3MoeConfig:
         num_experts_per_tok=2,
         max_position_embeddings=512,
     )
-
-
-def stored_bytes(model) -> int:
-    def size(tensor):
-        if not is_traceable_wrapper_subclass(tensor):
-            return tensor.nelement() * tensor.element_size()
-        inner_names, _ = tensor.__tensor_flatten__()
-        return sum(size(getattr(tensor, name)) for name in inner_names)
-
-    return sum(size(tensor) for tensor in [*model.parameters(), *model.buffers()])
 
 
 def footprints(folders: dict[str, Path]) -> dict[str, dict[str, int]]:

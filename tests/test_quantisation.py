@@ -8,12 +8,12 @@ tokens under the same quantisation.
 import pytest
 import torch
 from helpers import PROMPT, make_source, save_source
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, FineGrainedFP8Config, TorchAoConfig
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
 from dualflow.convert import convert_checkpoint
+from dualflow.instruments.probes import stored_bytes
 
 
 QUANTISATIONS = {
@@ -57,18 +57,6 @@ def load(folder, quantization_config=None, **kwargs):
 def quantised_weights(model) -> set[str]:
     """Names of the parameters stored quantised (bitsandbytes' and torchao's types, not a plain Parameter)."""
     return {name for name, parameter in model.named_parameters() if type(parameter) is not torch.nn.Parameter}
-
-
-def stored_bytes(model) -> int:
-    """Bytes the weights and buffers take in memory: a torchao tensor by its inner int8 data and scales."""
-
-    def size(tensor):
-        if not is_traceable_wrapper_subclass(tensor):
-            return tensor.nelement() * tensor.element_size()
-        inner_names, _ = tensor.__tensor_flatten__()
-        return sum(size(getattr(tensor, name)) for name in inner_names)
-
-    return sum(size(tensor) for tensor in [*model.parameters(), *model.buffers()])
 
 
 def aux_bytes(model) -> int:

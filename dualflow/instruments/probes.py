@@ -1,6 +1,6 @@
 """
-The timer and the peak-memory probe of one call, on CPU (Linux /proc, else getrusage) or CUDA, and the order of
-interleaved repeats. Every measurement of the package times with these.
+The timer and the peak-memory probe of one call, on CPU (Linux /proc, else getrusage) or CUDA, the order of
+interleaved repeats, and the bytes a model's weights take. Every measurement of the package times with these.
 """
 
 import gc
@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def seconds(fn, *args, device: torch.device | None = None, clock=time.perf_counter) -> float:
@@ -77,3 +78,15 @@ def peak_memory_bytes(fn, device: torch.device) -> tuple[int, int]:
     fn()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak * scale, (peak - before) * scale
+
+
+def stored_bytes(model) -> int:
+    """Bytes the weights and buffers take in memory: a quantised tensor (torchao's) by its inner data and scales."""
+
+    def size(tensor):
+        if not is_traceable_wrapper_subclass(tensor):
+            return tensor.nelement() * tensor.element_size()
+        inner_names, _ = tensor.__tensor_flatten__()
+        return sum(size(getattr(tensor, name)) for name in inner_names)
+
+    return sum(size(tensor) for tensor in [*model.parameters(), *model.buffers()])
