@@ -21,10 +21,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class DualFlowAuxAdapter(nn.Module):
-    """A low-rank delta `up(down(x))` the aux rows alone add to a shared weight's output; `up` starts at 0."""
+    """
+    A low-rank delta `up(down(x))` the aux rows alone add to a shared weight's output; `up` starts at 0. Under
+    tensor parallelism it is split as the weight it adapts is (the config's `base_model_tp_plan`).
+    """
 
     def __init__(self, in_features: int, out_features: int, rank: int):
         super().__init__()
+        # read by transformers' `colwise` / `rowwise` styles, as on an `nn.Linear`
+        self.in_features = in_features
+        self.out_features = out_features
         self.down = nn.Parameter(torch.empty(rank, in_features))
         self.up = nn.Parameter(torch.zeros(out_features, rank))
 
@@ -41,10 +47,9 @@ def add_to_aux_rows(
     """
     if adapter is None or output.shape[1] == num_primary:
         return output
-    if output.shape[-1] != adapter.up.shape[0] or inputs.shape[-1] != adapter.down.shape[1]:
-        # tensor parallelism: the shared projection's output (q_proj) or input (o_proj) is this rank's shard
-        raise ValueError("aux adapters do not support tensor parallelism: load the model without a tp_plan")
-    aux_output = output[:, num_primary:] + adapter(inputs[:, num_primary:])
+    # contiguous: under tensor parallelism these rows become a DTensor, and its linear views them, which a
+    # slice across the batch does not allow
+    aux_output = output[:, num_primary:] + adapter(inputs[:, num_primary:].contiguous())
     if num_primary == 0:
         return aux_output
     return torch.cat([output[:, :num_primary], aux_output], dim=1)

@@ -67,7 +67,8 @@ class DualFlowConfig(PreTrainedConfig):
             Rank of the aux adapters: low-rank deltas on each layer's q_proj, o_proj and MLP / MoE block
             output that act on aux rows only (`aux_q_adapter`, `aux_o_adapter`, `aux_mlp_adapter`). Their up
             projection starts at zero, so a converted model still computes as its source. 0 (the default)
-            builds none.
+            builds none. Under tensor parallelism the q_proj adapter is split column-wise and the o_proj one
+            row-wise, as those projections are; the MLP output's is replicated.
     """
 
     model_type = "dualflow"
@@ -81,6 +82,9 @@ class DualFlowConfig(PreTrainedConfig):
         "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
         "layers.*.self_attn.o_proj": "rowwise",
+        # the aux adapters split as the projections they adapt: each rank adds the delta of its own heads
+        "layers.*.self_attn.aux_q_adapter": "colwise",
+        "layers.*.self_attn.aux_o_adapter": "rowwise",
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
@@ -203,13 +207,19 @@ class DualFlowConfig(PreTrainedConfig):
         return config_dict
 
     def _plans_for_existing_modules(self):
-        """The tensor-parallel plan names only modules this config builds (experts, dense MLPs, q/k norms)."""
+        """
+        The tensor-parallel plan names only modules this config builds (experts, dense MLPs, q/k norms, aux
+        adapters).
+        """
         plan = dict(type(self).base_model_tp_plan)
         if self.qk_norm == "full":
             plan = {key: style for key, style in plan.items() if not key.endswith("_norm")}
             plan |= self.full_qk_norm_attention_tp_plan
         elif self.qk_norm is None:
             plan = {key: style for key, style in plan.items() if not key.endswith("_norm")}
+        # gathered projections (`qk_norm="full"`) are adapted by whole adapters, replicated like the MLP's
+        if self.qk_norm == "full" or not self.aux_adapter_rank:
+            plan = {key: style for key, style in plan.items() if "_adapter" not in key}
         moe_layers = [self.is_moe_layer(i) for i in range(self.num_hidden_layers)]
         if not any(moe_layers):
             plan = {key: style for key, style in plan.items() if ".experts" not in key}

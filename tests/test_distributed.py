@@ -3,6 +3,7 @@ Beyond one device: accelerate placement with CPU/disk offload (in process), tran
 training and tensor / expert parallel inference under torchrun with gloo on CPU (marked `multiprocess`).
 """
 
+import copy
 import json
 import os
 import re
@@ -98,7 +99,7 @@ def test_device_map_offload_matches_unsplit_model(tmp_path, placement, remote_co
 
 def test_parallel_plans_name_real_modules():
     """Every TP / EP / FSDP / PP rule names a module or parameter of a model that has every optional part."""
-    model = tiny_model(qk_norm="per_head", shared_expert_intermediate_size=16, mlp_only_layers=[0])
+    model = tiny_model(qk_norm="per_head", shared_expert_intermediate_size=16, mlp_only_layers=[0], aux_adapter_rank=2)
     named = [*model.named_modules(), *model.named_parameters()]
     names = {re.sub(r"\.\d+\.", ".*.", name + ".")[:-1] for name, _ in named}  # layers.0.mlp -> layers.*.mlp
     config = model.config
@@ -107,11 +108,19 @@ def test_parallel_plans_name_real_modules():
         assert {f"model.{key}" for key in plan} <= names, plan.keys() - {name[len("model.") :] for name in names}
     for plan in (model._tp_plan, model._fsdp_plan, model._pp_plan):
         assert plan.keys() <= names
+    # the adapters split as the projections they adapt; the MLP output's stays whole
+    adapters = {key: style for key, style in config.base_model_tp_plan.items() if "_adapter" in key}
+    assert adapters == {"layers.*.self_attn.aux_q_adapter": "colwise", "layers.*.self_attn.aux_o_adapter": "rowwise"}
+    # a model without adapters gets no adapter rules (transformers warns about rules that match nothing)
+    assert not any("_adapter" in key for key in tiny_model(qk_norm="per_head").config.base_model_tp_plan)
 
 
 def test_full_qk_norm_gathers_attention_projections():
-    """OLMoE's norm spans the whole q / k projection: its plan must not leave a projection's output head-sharded."""
-    plan = tiny_model(qk_norm="full").config.base_model_tp_plan
+    """
+    OLMoE's norm spans the whole q / k projection: its plan must not leave a projection's output head-sharded, and
+    the aux adapters of those whole-width projections stay whole.
+    """
+    plan = tiny_model(qk_norm="full", aux_adapter_rank=2).config.base_model_tp_plan
     attention = {key.rsplit(".", 1)[-1]: style for key, style in plan.items() if ".self_attn." in key}
     assert attention == {
         "q_proj": "colwise_gather_output",
@@ -178,6 +187,7 @@ TP_CHECKPOINTS = {
     "moe": dict(qk_norm="per_head", aux_num_experts_per_tok=3, shared_expert_intermediate_size=16),
     "olmoe": dict(qk_norm="full", clip_qkv=0.5, norm_topk_prob=False),
     "dense": dict(num_experts=0),
+    # `tiny_model` draws the adapters' `up` away from 0: each adapter changes the aux flow's logits
     "adapters": dict(qk_norm="per_head", aux_adapter_rank=4),
 }
 TP_CASES = [
@@ -187,8 +197,25 @@ TP_CASES = [
     dict(name="moe_ep_eager_experts", checkpoint="moe", parallel="ep", remote=False, experts_implementation="eager"),
     dict(name="olmoe_tp", checkpoint="olmoe", parallel="tp", remote=False),
     dict(name="dense_tp", checkpoint="dense", parallel="tp", remote=False),
-    dict(name="adapters_tp", checkpoint="adapters", parallel="tp", remote=False),
+    dict(name="adapters_tp", checkpoint="adapters", parallel="tp", remote=False, gradients=True),
 ]
+# The names the aux adapters have had in every checkpoint saved so far: TP loads them under these names.
+ADAPTER_NAMES = [
+    f"model.layers.{i}.{module}.{matrix}"
+    for i in range(2)
+    for module in ("self_attn.aux_q_adapter", "self_attn.aux_o_adapter", "aux_mlp_adapter")
+    for matrix in ("down", "up")
+]
+
+
+def logits_without(model, suffix: str, input_ids, attention_mask) -> torch.Tensor:
+    """The aux flow's logits with the parameters named `*suffix` set to 0, on a copy."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(suffix):
+                parameter.zero_()
+        return model(input_ids, attention_mask=attention_mask).logits
 
 
 @pytest.mark.multiprocess
@@ -197,6 +224,12 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
     for name, overrides in TP_CHECKPOINTS.items():
         # an even vocabulary: transformers 5.19 shards the gathered LM head only when the TP size divides it
         tiny_model(vocab_size=98, **overrides).save_pretrained(tmp_path / name)
+    adapters = DualFlowForCausalLM.from_pretrained(tmp_path / "adapters")
+    input_ids, attention_mask = left_padded_prompts(98)
+    with torch.no_grad():
+        adapted = adapters(input_ids, attention_mask=attention_mask).logits
+    for sharded_adapter in ("aux_q_adapter.up", "aux_o_adapter.up"):  # so the TP comparison below sees them
+        assert (logits_without(adapters, sharded_adapter, input_ids, attention_mask) - adapted).abs().max() > 1e-3
     for case in TP_CASES:
         cases.append(dict(case, path=str(tmp_path / case["checkpoint"])))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -204,9 +237,6 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
     results = json.loads((tmp_path / "result.json").read_text())
 
     assert results.keys() == {case["name"] for case in TP_CASES}
-    # aux adapters hold full-width deltas of head-sharded projections: refused in one line, not added to a shard
-    refused = results.pop("adapters_tp")
-    assert refused == {"refused": "aux adapters do not support tensor parallelism: load the model without a tp_plan"}
     for name, result in results.items():
         # warnings as errors: a deprecated or dropped plan style shows here before it breaks
         assert result["sharding_warnings"] == [], (name, result["sharding_warnings"])
@@ -215,8 +245,16 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
         # attention heads split over the 2 ranks
         assert 2 * result["local_q_proj_rows"] == result["full_q_proj_rows"], name
         assert result["num_aux_parameters"] > 0
-        if name.endswith("_tp") or name == "moe_tp_remote_code":  # the aux flow's own weights replicated under TP
+        # loaded under the checkpoint's names, each gathered tensor equal to the saved one
+        assert result["checkpoint_mismatches"] == [], (name, result["checkpoint_mismatches"])
+        if name == "adapters_tp":  # the q_proj and o_proj adapters split like their projections, the MLP's whole
+            assert result["sharded_aux_parameters"] == [key for key in ADAPTER_NAMES if "self_attn" in key]
+        elif name.endswith("_tp") or name == "moe_tp_remote_code":  # the aux flow's own weights replicated under TP
             assert result["sharded_aux_parameters"] == [], name
     assert results["moe_tp_remote_code"]["module"].startswith("transformers_modules")
     assert results["moe_tp"]["local_experts"] == 4  # TP keeps every expert on each rank, as Qwen3-MoE's plan does
     assert results["moe_ep"]["local_experts"] == results["moe_ep_eager_experts"]["local_experts"] == 2  # EP: 2 of 4
+    # training through the sharded adapters: every gradient as on one process
+    gradients = results["adapters_tp"]["gradient_max_diffs"]
+    assert set(ADAPTER_NAMES) <= gradients.keys()
+    assert {name: diff for name, diff in gradients.items() if diff is None or diff > 1e-5} == {}

@@ -5,11 +5,13 @@ Launched by tests/test_distributed.py as
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/tp_logits.py CASES.json OUT.json
 
-CASES.json lists {"name", "path", "parallel": "tp" | "ep", "remote": bool, "experts_implementation": str | null}.
-A case whose sharded forward raises a ValueError (a refusal) gets {"refused": message} instead.
+CASES.json lists {"name", "path", "parallel": "tp" | "ep", "remote": bool, "experts_implementation": str | null,
+"gradients": bool}. A case whose sharded forward raises a ValueError (a refusal) gets {"refused": message} instead.
 Every rank loads each checkpoint twice: unsharded, and with `DistributedConfig` (`tp_plan="auto"`, or
 `tp_size=2, ep_size=2`), through the package's class or the remote-code class saved next to the weights. Rank 0
-writes, per case, the largest logit differences, whether greedy generations agree, and what each rank holds locally.
+writes, per case, the largest logit differences, whether greedy generations agree, what each rank holds locally,
+the parameters whose gathered values differ from the checkpoint's, and (with "gradients") the largest difference of
+each parameter's gradient of the training loss.
 """
 
 import json
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
@@ -36,6 +39,33 @@ def model_class(path, remote: bool):
 
 def local_rows(parameter) -> int:
     return (parameter.to_local() if isinstance(parameter, DTensor) else parameter).shape[0]
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a sharded one gathered from every rank (a collective: all ranks call it in one order)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def checkpoint_mismatches(model, path: str) -> list[str]:
+    """Names of the checkpoint or the loaded model that the other lacks, or whose gathered values differ."""
+    saved = load_file(Path(path) / "model.safetensors")
+    loaded = {name: full(tensor) for name, tensor in model.state_dict().items()}
+    differing = [name for name in saved.keys() & loaded.keys() if not torch.equal(saved[name], loaded[name])]
+    return sorted(saved.keys() ^ loaded.keys()) + sorted(differing)
+
+
+def gradient_differences(reference, sharded, input_ids, attention_mask) -> dict[str, float]:
+    """Per parameter, the largest difference between the two models' gradients of the training loss."""
+    for model in (reference, sharded):
+        model(input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
+    expected = dict(reference.named_parameters())
+    differences = {}
+    for name, param in sharded.named_parameters():
+        if expected[name].grad is None:  # a parameter this loss does not reach
+            differences[name] = None
+            continue
+        differences[name] = (full(param.grad) - expected[name].grad).abs().max().item()
+    return differences
 
 
 @contextmanager
@@ -83,6 +113,9 @@ def compare(case: dict) -> dict:
     same_tokens = torch.equal(reference.generate(input_ids, **generate), sharded.generate(input_ids, **generate))
     layer = sharded.model.layers[-1]
     aux_names = set(sharded.aux_parameter_names())  # aux embedding and couplings: replicated, never sharded
+    gradients = None
+    if case.get("gradients"):
+        gradients = gradient_differences(reference, sharded, input_ids, attention_mask)
     return {
         "module": type(sharded).__module__,
         "logits_max_diff": (expected.logits - actual.logits).abs().max().item(),
@@ -96,6 +129,8 @@ def compare(case: dict) -> dict:
         ],
         "num_aux_parameters": len(aux_names),
         "sharding_warnings": sharding_warnings,
+        "checkpoint_mismatches": checkpoint_mismatches(sharded, case["path"]),
+        "gradient_max_diffs": gradients,
     }
 
 
