@@ -22,6 +22,10 @@ COMMANDS = {
         "build, convert, generate and compare a tiny MoE (offline, no downloads; a few minutes on a CPU)",
     ),
     "convert": ("dualflow.convert.cli", "upcycle a transformers checkpoint into a Dual-Flow checkpoint"),
+    "quantize": (
+        "dualflow.quantize_cli",
+        "write a Dual-Flow checkpoint in compressed-tensors W4A8 (attention projections), for vLLM",
+    ),
     "finetune": (
         "dualflow.finetune_cli",
         "fine-tune a Dual-Flow model on text or chat data (files, folders, datasets) with transformers.Trainer",

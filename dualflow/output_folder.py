@@ -43,8 +43,11 @@ MODEL_FOLDER_PATTERNS = (
 # The names a run of each command writes into OUT: the only entries it may remove.
 RUN_OUTPUTS = {
     "convert": MODEL_FOLDER_PATTERNS,
+    "quantize": MODEL_FOLDER_PATTERNS,
     "finetune": (*MODEL_FOLDER_PATTERNS, "checkpoint-*", "adapter_config.json", "adapter_model.safetensors"),
 }
+# The commands whose --overwrite replaces a Dual-Flow model in OUT.
+OVERWRITE_COMMANDS = ("convert", "quantize")
 # Errors while writing that describe the user's file system, not a bug in our code: a one-line error naming OUT.
 FILE_SYSTEM_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 # An OS error code inside another library's message: Python's "[Errno 28]", Rust's "(os error 28)" (safetensors) and
@@ -149,11 +152,11 @@ def _check_contents(path: Path, out, command: str, resume: bool, replace: bool) 
     unfinished = unfinished_run(path)
     if unfinished is not None and unfinished.get("command") == command and resume:
         return True
-    # --overwrite (convert) replaces a Dual-Flow model or an unfinished conversion, and nothing of the user's.
+    # --overwrite (convert, quantize) replaces a Dual-Flow model or an unfinished run, nothing of the user's.
     foreign = foreign_entries(path, command)
-    replaceable = (
-        command == "convert" and (holds_model(path) or (unfinished or {}).get("command") == "convert") and not foreign
-    )
+    has_overwrite = command in OVERWRITE_COMMANDS
+    unfinished_here = (unfinished or {}).get("command") == command
+    replaceable = has_overwrite and (holds_model(path) or unfinished_here) and not foreign
     if replace and replaceable:
         return False
     if replace:
@@ -162,7 +165,7 @@ def _check_contents(path: Path, out, command: str, resume: bool, replace: bool) 
             f"output folder {out} holds {what}: --overwrite replaces only a Dual-Flow model or an unfinished "
             "conversion; choose another output folder"
         )
-    if command == "convert":
+    if has_overwrite:
         go_on = "pass --overwrite to replace it" if replaceable else "choose another output folder"
     else:
         go_on = "choose another --output-dir"

@@ -33,7 +33,7 @@ def test_help_lists_every_command_without_heavy_imports():
     completed = run_cli("--help")
     assert completed.returncode == 0
     assert completed.stderr.strip() == "heavy imports: []"
-    assert set(COMMANDS) == {"demo", "convert", "finetune", "push", "compare", "experiment"}
+    assert set(COMMANDS) == {"demo", "convert", "quantize", "finetune", "push", "compare", "experiment"}
     for name, (_, help_text) in COMMANDS.items():
         assert f"    {name}" in completed.stdout and help_text.split()[0] in completed.stdout
 
@@ -72,6 +72,23 @@ def test_core_tools_work_without_the_instruments_extra():
     assert completed.returncode == 0, completed.stderr[-2000:]
 
 
+def test_quantize_without_compressed_tensors_is_one_line(tmp_path):
+    # compressed-tensors comes with vLLM, not with this package: without it, one line says what to install.
+    code = (
+        "import sys; sys.modules['compressed_tensors'] = None\n"
+        "from dualflow.cli import main\nsys.exit(main(sys.argv[1:]))"
+    )
+    argv = ["quantize", str(tmp_path / "model"), str(tmp_path / "out")]
+    command = [sys.executable, "-c", code, *argv]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2
+    assert completed.stderr == (
+        "dualflow quantize: error: it needs compressed-tensors (vLLM brings it), not installed: "
+        "pip install compressed-tensors\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_version():
     completed = run_cli("--version")
     assert completed.returncode == 0 and completed.stdout.strip() == f"dualflow {version('dualflow-transformers')}"
@@ -88,7 +105,7 @@ def test_tests_remove_their_remote_code_module_folder():
     assert folder.name.startswith("dualflow-hf-modules-") and not folder.exists()
 
 
-LIGHT_COMMANDS = ("convert", "finetune", "push", "demo", "compare", "experiment")
+LIGHT_COMMANDS = ("convert", "quantize", "finetune", "push", "demo", "compare", "experiment")
 
 
 def test_subcommand_help_and_argument_errors_without_heavy_imports():

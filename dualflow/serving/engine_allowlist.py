@@ -50,7 +50,11 @@ POOLING = (
     "the pooling runner would return the aux flow's hidden states, where transformers' DualFlowModel returns the "
     "primary flow's: serve it with the generate runner"
 )
-QUANTISED = "no quantised Dual-Flow checkpoint has been served (the quantisation issue is open): serve it unquantised"
+QUANTISED = (
+    "the quantised checkpoints served are compressed-tensors W4A8 on the attention projections as "
+    "`dualflow quantize` writes them (vLLM's CPU build has no kernel for quantised experts without AMX): "
+    "serve the checkpoint unquantised or write it with `dualflow quantize`"
+)
 OFFLOAD = "CPU weight offload has never run with this model: start without offloading"
 NOT_MULTIMODAL = "Dual-Flow checkpoints are text-only: start without it"
 SCHEDULING = "decides which tokens a step runs; the model's results do not depend on it (test_vllm_parity.py)"
@@ -93,7 +97,9 @@ ENGINE_FIELDS = {
     "model_config.allowed_media_domains": Inert("media inputs: Dual-Flow checkpoints are text-only"),
     "model_config.max_model_len": Tested(ANY, "every engine test (256)"),
     "model_config.spec_target_max_model_len": Derived("speculative_config and max_model_len"),
-    "model_config.quantization": AtDefault(QUANTISED),
+    "model_config.quantization": Tested(
+        (None, "compressed-tensors"), "test_vllm_quantised.py (`dualflow quantize`'s only)", QUANTISED
+    ),
     "model_config.quantization_config": AtDefault(QUANTISED),
     "model_config.allow_deprecated_quantization": AtDefault(QUANTISED),
     "model_config.enforce_eager": Tested((False, True), "test_vllm_compile.py"),
@@ -314,7 +320,7 @@ ENGINE_FIELDS = {
     "observability_config": Inert("metrics and traces"),
     "logging_config": Inert("logging"),
     "profiler_config": Inert("profiling"),
-    "quant_config": AtDefault(QUANTISED),
+    "quant_config": Derived("model_config.quantization and the checkpoint's quantization_config"),
     # compilation_config
     "compilation_config.mode": Tested(
         (None, CompilationMode.NONE, CompilationMode.DYNAMO_TRACE_ONCE, CompilationMode.VLLM_COMPILE),

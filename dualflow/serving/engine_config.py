@@ -3,7 +3,7 @@
 from transformers import PreTrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
-from .engine_allowlist import HF_OVERRIDES_TESTED, refusal
+from .engine_allowlist import HF_OVERRIDES_TESTED, QUANTISED, refusal
 from .kv_transfer import use_connector_without_kv_sharing_layers, uses_kv_connector
 from .vllm_internals import check_vllm_version
 
@@ -29,6 +29,27 @@ def check_attention_head_size(head_dim: int) -> None:
         raise ValueError(
             f"vLLM's CPU attention cannot run head_dim={head_dim} (supported: {supported}); serve this checkpoint on a GPU"
         )
+
+
+# The one quantisation served (test_vllm_quantised): a checkpoint written by `dualflow quantize`.
+SERVED_QUANTISATION = "compressed-tensors"
+
+
+def check_quantisation(vllm_config) -> None:
+    """Admit an unquantised checkpoint, or compressed-tensors exactly as `dualflow quantize` writes it."""
+    method = vllm_config.model_config.quantization
+    if method is None:
+        return
+    refused = "Dual-Flow in vLLM does not serve"
+    if method != SERVED_QUANTISATION:
+        raise ValueError(f"{refused} model_config.quantization={method!r}: {QUANTISED}")
+    from dualflow.quantize import unserved_field
+
+    # As in config.json: vLLM adds fields of its own to the config it holds
+    unserved = unserved_field(checkpoint_field(vllm_config, "quantization_config", None))
+    if unserved is not None:
+        field, value = unserved
+        raise ValueError(f"{refused} {field}={value!r} (the checkpoint's): {QUANTISED}")
 
 
 # Compilation passes that vLLM switches on per compile range of the step's token count T (a range ending under the
@@ -110,6 +131,7 @@ def check_supported(config, vllm_config) -> None:
                 f"{parallel.tensor_parallel_size} (its files carry no rank: the ranks overwrite each other's KV): "
                 "use tensor_parallel_size=1"
             )
+    check_quantisation(vllm_config)
     if vllm_config.lora_config is not None:
         raise ValueError("Dual-Flow in vLLM does not serve LoRA adapters: start without enable_lora")
     if config.use_aux_flow and vllm_config.model_config.enable_prompt_embeds:

@@ -51,6 +51,14 @@ def shared_expert_checkpoint(tmp_path_factory):
     return build_checkpoint(tmp_path_factory.mktemp("vllm-qwen2-moe"), family="qwen2_moe")
 
 
+@pytest.fixture(scope="session")
+def quantised_checkpoint(adapter_checkpoint, tmp_path_factory):
+    """The adapter checkpoint (rounds and aux adapters) written by `dualflow quantize`: W4A8 attention."""
+    from dualflow.quantize import quantize_checkpoint
+
+    return quantize_checkpoint(adapter_checkpoint, tmp_path_factory.mktemp("vllm-w4a8") / "w4a8")["out"]
+
+
 class SharedEngines:
     """
     The engine last asked for, by (checkpoint, engine arguments), kept for the next test that asks for the same one.

@@ -3,6 +3,7 @@ dualflow/serving/engine_allowlist.py, a setting outside the classification is re
 the configurations the other tests run still build. Configurations are built, no engine starts."""
 
 import dataclasses
+import json
 import typing
 
 import pytest
@@ -92,6 +93,44 @@ def test_a_checkpoint_with_rounds_and_adapters_builds(adapter_checkpoint):
     engine_config(adapter_checkpoint, hf_overrides={"aux_num_rounds": 2, "aux_adapter_rank": ADAPTER_RANK})
 
 
+def test_a_quantised_checkpoint_builds(quantised_checkpoint):
+    built = engine_config(quantised_checkpoint)
+    assert built.model_config.quantization == "compressed-tensors"
+    check_supported(built.model_config.hf_config, built)
+
+
+# A quantization_config other than `dualflow quantize`'s: a change to it -> the field and value refused.
+OTHER_QUANTISATIONS = {
+    "quantised experts": (
+        lambda q: q["ignore"].remove(r"re:.*\.mlp\.experts.*"),
+        "quantization_config.ignore=['lm_head', 're:.*embed_tokens$', ",
+    ),
+    "int8 weights": (
+        lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8),
+        "quantization_config.config_groups.group_0.weights.num_bits=8 (the checkpoint's)",
+    ),
+    "every linear layer (llm-compressor's targets)": (
+        lambda q: q["config_groups"]["group_0"].update(targets=["Linear"]),
+        "quantization_config.config_groups.group_0.targets=['Linear'] (the checkpoint's)",
+    ),
+}
+
+
+@pytest.mark.parametrize(("change", "message"), OTHER_QUANTISATIONS.values(), ids=OTHER_QUANTISATIONS)
+def test_any_other_quantisation_is_refused_in_one_line(quantised_checkpoint, tmp_path, change, message):
+    for entry in quantised_checkpoint.iterdir():  # the same checkpoint with another config.json
+        if entry.name != "config.json":
+            (tmp_path / entry.name).symlink_to(entry)
+    config = json.loads((quantised_checkpoint / "config.json").read_text())
+    change(config["quantization_config"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as refused:
+        engine_config(tmp_path)
+    error = str(raised_by_the_model(refused.value))
+    assert error.startswith("Dual-Flow in vLLM does not serve ") and "\n" not in error
+    assert message in error and error.endswith("write it with `dualflow quantize`"), error
+
+
 # Settings outside the classification, and the explicit refusals of issue 55: (engine options, or an option set on a
 # built configuration where vLLM's CPU build refuses it first) -> the start of the one-line refusal.
 REFUSED = {
@@ -112,7 +151,7 @@ REFUSED = {
     ),
     "quantisation": (
         {"quantization": "fp8", "dtype": "bfloat16"},
-        "model_config.quantization='fp8' (vLLM's default: None): no quantised Dual-Flow checkpoint has been served",
+        "model_config.quantization='fp8': the quantised checkpoints served are compressed-tensors W4A8 on",
     ),
     "dummy weights": ({"load_format": "dummy"}, "load_config.load_format='dummy' (vLLM's default: 'auto')"),
     "another model implementation": (

@@ -138,10 +138,10 @@ REFUSED = {
             r"offload_config.prefetch.offload_group_size=2 .*CPU weight offload has never run",
         ),
     ],
-    "Quantised checkpoints or online quantisation (fp8, AWQ, GPTQ, ...)": [
+    "Other quantisation: online (fp8), other formats and schemes (FP8, INT8, AWQ, GPTQ), quantised experts": [
         (
             {"quantization": "fp8", "dtype": "bfloat16"},
-            r"model_config.quantization='fp8' .*no quantised Dual-Flow checkpoint has been served",
+            r"model_config.quantization='fp8': the quantised checkpoints served are compressed-tensors W4A8",
         )
     ],
     "Speculative decoding other than n-gram (`ngram_gpu`, `draft_model`, EAGLE, MTP, `suffix`, `custom_class`, ...)": [

@@ -151,14 +151,16 @@ def served_greedy(engine, prompts: list[list[int]], max_new_tokens: int):
     return engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def assert_matches_transformers(outputs, prompts, reference, max_new_tokens: int, **generate_kwargs):
-    """vLLM's greedy tokens are transformers' and each token's logprob agrees within LOGPROB_TOLERANCE."""
+def assert_matches_transformers(
+    outputs, prompts, reference, max_new_tokens: int, tolerance: float = LOGPROB_TOLERANCE, **generate_kwargs
+):
+    """vLLM's greedy tokens are transformers' and each token's logprob agrees within `tolerance`."""
     for prompt, output in zip(prompts, outputs):
         tokens, logprobs = hf_greedy(reference, prompt, max_new_tokens, **generate_kwargs)
         completion = output.outputs[0]
         assert list(completion.token_ids) == tokens, f"prompt of length {len(prompt)}"
         served = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
-        assert_logprobs_close(served, logprobs)
+        assert_logprobs_close(served, logprobs, tolerance)
 
 
 def assert_logprobs_close(served: list[float], expected: list[float], tolerance: float = LOGPROB_TOLERANCE):
