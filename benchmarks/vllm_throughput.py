@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/vllm_throughput.py                 # CPU: small Mixtral-like model, float32
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --preset gpu    # GPU: Mixtral-8x7B layer shapes, bfloat16
+    .venv-vllm/bin/python benchmarks/vllm_throughput.py --quantised --prefill-lengths --no-transformers
 
 One random checkpoint (saved once), three vLLM engines over it: the primary flow alone (`use_aux_flow=False`, the
 base model), the aux flow with k_a = k_p, and with k_a = 2 k_p. Each round measures every engine on the same fresh
@@ -17,10 +18,15 @@ the table gives per-arm medians and the median of the per-round ratios with its 
         primary + aux rows, and the decode ratio aux on / off that the bytes a step must stream allow
         (`decode_byte_limit`; routing counted on at most ROUTING_SAMPLE_PROMPT tokens of prompt, the K/V at the
         full context). Long context: e.g. `--decode-prompt 4096 --decode-batches 16 --no-transformers`.
+
+With --quantised the arms are the checkpoint and its `dualflow quantize` copy (compressed-tensors W4A8 on
+the attention projections), each with the aux flow off and on (k_a = k_p); the table adds the quantised /
+unquantised ratios and the bytes of weights a decode step reads (`decode_weight_bytes`).
 """
 
 import argparse
 import gc
+import json
 import math
 import os
 import statistics
@@ -54,12 +60,17 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=list(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument(
+        "--prefill-lengths", type=int, nargs="*", default=[512, 2048], help="none: no prefill measurement"
+    )
     parser.add_argument("--prefill-requests", type=int, default=2, help="prompts per prefill measurement")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--decode-prompt", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile in vLLM")
+    parser.add_argument(
+        "--quantised", action="store_true", help="the checkpoint against its W4A8 copy (`dualflow quantize`)"
+    )
     parser.add_argument(
         "--no-transformers", action="store_true", help="skip transformers' generate (slow at long prompts on a CPU)"
     )
@@ -148,6 +159,34 @@ def decode_byte_limit(
     }
 
 
+def decode_weight_bytes(folder: Path, experts_per_layer: float, batch: int, aux: bool) -> float:
+    """
+    Bytes of weights a decode step of `batch` requests reads, from the checkpoint's tensors as vLLM's CPU
+    build holds them (a W4A8 weight at 4 bits with bfloat16 group scales: its int8 storage is repacked at
+    load): each embedding's rows of the batch, `experts_per_layer` experts in each MoE layer, the aux flow's
+    own weights only with `aux`, everything else whole. K/V not counted.
+    """
+    with open(folder / "model.safetensors", "rb") as file:  # the header: name -> dtype, shape, offsets
+        header = json.loads(file.read(int.from_bytes(file.read(8), "little")))
+    header.pop("__metadata__", None)
+    num_experts = json.loads((folder / "config.json").read_text())["num_experts"]
+    total = 0.0
+    for name, entry in header.items():
+        size = entry["data_offsets"][1] - entry["data_offsets"][0]
+        if name.endswith(".weight_scale"):
+            size = math.prod(entry["shape"]) * 2
+        elif name.removesuffix(".weight") + ".weight_scale" in header:
+            size = math.prod(entry["shape"]) / 2
+        if "aux_" in name and not aux:
+            continue
+        if name.endswith("embed_tokens.weight"):
+            size *= batch / entry["shape"][0]
+        elif ".mlp.experts." in name:
+            size *= experts_per_layer / num_experts
+        total += size
+    return total
+
+
 def run_vllm(engine, batch: list[list[int]], max_tokens: int):
     """Greedy completions of token-id prompts, `max_tokens` each (no end-of-sequence stop)."""
     from vllm import SamplingParams
@@ -177,6 +216,22 @@ def summarize(name: str, rates: dict, baseline: str, arms: list[str]) -> list[st
     return rows
 
 
+def quantised_rows(size: int, decode: dict, decode_only: dict, experts: dict, served: dict) -> list[str]:
+    """--quantised: per flow, W4A8 against unquantised, and the bytes of weights each arm's step reads."""
+    rows = []
+    for base in ("primary only", "aux k_a=k_p"):
+        pair = [base, f"W4A8 {base}"]
+        for name, rates in (("decode", decode), ("decode only", decode_only)):
+            by_arm = {arm: rates[size][arm] for arm in pair}
+            rows += summarize(f"{name}, batch {size}, W4A8 against unquantised", by_arm, base, pair)
+    for arm, (checkpoint, override) in served.items():
+        aux = "use_aux_flow" not in override
+        count = experts["primary + aux experts" if aux else "primary experts"]
+        mib = decode_weight_bytes(checkpoint, count, size, aux) / 2**20
+        rows.append(f"| decode, batch {size}, weights read per step | {arm} | {mib:.1f} MiB | |")
+    return rows
+
+
 def main():
     args = parse_args()
     # The checkpoint (534 MB for the CPU preset, GBs for the GPU one) lives only as long as the run.
@@ -184,17 +239,17 @@ def main():
         measure(args, Path(folder))
 
 
-def measure(args, folder: Path):
+def measure(args, root: Path):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     preset = PRESETS[args.preset]
+    folder = root / "dualflow"
     hf_model = save_random_checkpoint(preset, folder)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     hf_model.to(device)
     longest = max(args.prefill_lengths + [args.decode_prompt + args.decode_tokens])
     engine_args = dict(
-        model=str(folder),
         dtype=preset["dtype"],
         max_model_len=longest + 16,
         # a decode batch's prompts in one step, so every request's first token comes from the same step
@@ -207,8 +262,23 @@ def measure(args, folder: Path):
     )
     overrides = {"primary only": {"use_aux_flow": False}}
     overrides.update({arm: {"aux_num_experts_per_tok": aux_top_k} for arm, aux_top_k in AUX_ARMS.items()})
-    engines = {arm: LLM(hf_overrides=override, **engine_args) for arm, override in overrides.items()}
+    # arm -> (checkpoint, engine overrides)
+    served = {arm: (folder, override) for arm, override in overrides.items()}
+    if args.quantised:
+        from dualflow.quantize import quantize_checkpoint
+
+        quantised = quantize_checkpoint(folder, root / "w4a8")["out"]
+        served = {
+            f"{prefix}{arm}": (checkpoint, overrides[arm])
+            for prefix, checkpoint in (("", folder), ("W4A8 ", quantised))
+            for arm in ("primary only", "aux k_a=k_p")
+        }
+    engines = {
+        arm: LLM(model=str(checkpoint), hf_overrides=override, **engine_args)
+        for arm, (checkpoint, override) in served.items()
+    }
     arms = list(engines)
+    aux_arms = {arm: aux_top_k for arm, aux_top_k in AUX_ARMS.items() if arm in engines}
     generator = torch.Generator().manual_seed(1)
 
     def prompts(count, length):
@@ -267,12 +337,14 @@ def measure(args, folder: Path):
         label = f"decode, batch {size}"
         print("\n".join(summarize(label, decode[size], "primary only", arms)))
         print("\n".join(summarize(f"decode only, batch {size}", decode_only[size], "primary only", arms)))
-        limits = {arm: byte_limits(size, aux_top_k) for arm, aux_top_k in AUX_ARMS.items()}
+        limits = {arm: byte_limits(size, aux_top_k) for arm, aux_top_k in aux_arms.items()}
         for arm, limit in limits.items():
             print(
                 f"| {label}, byte limit | {arm} | experts/layer/step: primary {limit['primary experts']:.1f}, "
                 f"primary + aux {limit['primary + aux experts']:.1f} | {limit['byte limit']:.3f} |"
             )
+        if args.quantised:
+            print("\n".join(quantised_rows(size, decode, decode_only, limits["aux k_a=k_p"], served)))
         if not args.no_transformers:
             hf = decode[size]["transformers generate"]
             vs_hf = {"transformers generate": hf, "vLLM": decode[size]["aux k_a=k_p"]}
