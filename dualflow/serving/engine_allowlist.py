@@ -378,11 +378,16 @@ ENGINE_FIELDS = {
     "compilation_config.encoder_compilation_time": Derived("compilation (bookkeeping)"),
     "compilation_config.static_forward_context": Derived("the model's layers (bookkeeping)"),
     "compilation_config.static_all_moe_layers": Derived("the model's layers (bookkeeping)"),
-    # kv_transfer_config: the ExampleConnector only (kv_transfer.py refuses the others by name first)
-    "kv_transfer_config.kv_connector": Tested(ANY, "test_vllm_kv_transfer.py (the ExampleConnector)"),
+    # kv_transfer_config: the ExampleConnector and the NixlConnector only (kv_transfer.py refuses the other connectors
+    # by name first, and the NixlConnector's untested roles)
+    "kv_transfer_config.kv_connector": Tested(
+        ANY, "test_vllm_kv_transfer.py (the ExampleConnector, the NixlConnector)"
+    ),
     "kv_transfer_config.kv_connector_module_path": Derived("this package's hook (kv_transfer.py)"),
     "kv_transfer_config.kv_role": Tested(("kv_producer", "kv_consumer", "kv_both"), "test_vllm_kv_transfer.py"),
-    "kv_transfer_config.kv_connector_extra_config": Tested(ANY, "test_vllm_kv_transfer.py (shared_storage_path)"),
+    "kv_transfer_config.kv_connector_extra_config": Tested(
+        ANY, "test_vllm_kv_transfer.py (shared_storage_path; the NixlConnector's producer_model)"
+    ),
     "kv_transfer_config.kv_load_failure_policy": Tested(("fail", "recompute"), "test_vllm_kv_transfer.py"),
     "kv_transfer_config.engine_id": Derived("a random id"),
     "kv_transfer_config.kv_buffer_device": Derived("the platform"),

@@ -4,7 +4,12 @@ from transformers import PreTrainedConfig
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from .engine_allowlist import HF_OVERRIDES_TESTED, QUANTISED, refusal
-from .kv_transfer import use_connector_without_kv_sharing_layers, uses_kv_connector
+from .kv_transfer import (
+    NOT_WITH_TENSOR_PARALLELISM,
+    PREFIX,
+    use_connector_without_kv_sharing_layers,
+    uses_kv_connector,
+)
 from .vllm_internals import check_vllm_version
 
 
@@ -124,12 +129,11 @@ def check_supported(config, vllm_config) -> None:
     # tested ones run as subclasses that skip them (kv_transfer.py), the others are refused.
     if uses_kv_connector(vllm_config):
         use_connector_without_kv_sharing_layers(vllm_config.kv_transfer_config)
-        # The ExampleConnector names its files by layer, not by rank: tensor-parallel ranks overwrite each other's KV.
         if parallel.tensor_parallel_size > 1:
+            name = vllm_config.kv_transfer_config.kv_connector.removeprefix(PREFIX)
             raise ValueError(
-                "Dual-Flow in vLLM does not run the ExampleConnector with tensor_parallel_size="
-                f"{parallel.tensor_parallel_size} (its files carry no rank: the ranks overwrite each other's KV): "
-                "use tensor_parallel_size=1"
+                f"Dual-Flow in vLLM does not run the {name} with tensor_parallel_size="
+                f"{parallel.tensor_parallel_size} ({NOT_WITH_TENSOR_PARALLELISM[name]}): use tensor_parallel_size=1"
             )
     check_quantisation(vllm_config)
     if vllm_config.lora_config is not None:

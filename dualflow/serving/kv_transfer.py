@@ -11,9 +11,11 @@ scheduler side, the files and the wire format stay the connector's own, so the o
 The other side must serve this model's primary flow (its source model, or the checkpoint itself). Where a connector's
 wire format lets the consumer see the other side's shapes, KV of another model is refused by vLLM's own mechanism for
 KV that fails to load: its blocks are reported as load errors, and the engine's `kv_load_failure_policy` applies
-(by default the request ends with an error; "recompute" computes the prompt here instead).
+(by default the request ends with an error; "recompute" computes the prompt here instead). Over NIXL, vLLM's handshake
+compares the two engines' model names among other things: the consumer is told its producer's (`producer_model`).
 """
 
+import copy
 import dataclasses
 from functools import cache, cached_property
 
@@ -28,8 +30,19 @@ logger = init_logger(__name__)
 
 
 PREFIX = "DualFlow"
-# The connectors run and tested with the Dual-Flow model (on vLLM's CPU build).
-TESTED_CONNECTORS = ("ExampleConnector",)
+# The connectors run and tested with the Dual-Flow model (on vLLM's CPU build), and the roles each ran in.
+TESTED_ROLES = {
+    "ExampleConnector": ("kv_producer", "kv_consumer", "kv_both"),
+    "NixlConnector": ("kv_consumer",),
+}
+TESTED_CONNECTORS = tuple(TESTED_ROLES)
+# Why each is refused under tensor parallelism.
+NOT_WITH_TENSOR_PARALLELISM = {
+    "ExampleConnector": "its files carry no rank: the ranks overwrite each other's KV",
+    "NixlConnector": "never run with this model",
+}
+# What a Dual-Flow consumer of the NixlConnector accepts KV from: the model its producer was started with.
+PRODUCER_MODEL = "producer_model"
 
 
 class SkipKVSharingLayers:
@@ -164,14 +177,60 @@ class RefuseOtherModelsFiles:
         return blocks
 
 
-# Checks a connector's wire format allows on the consumer side.
-FILE_CHECKS = {"ExampleConnector": (RefuseOtherModelsFiles,)}
+class MovesKVAroundLayers:
+    """Mixed in before the ExampleConnector, which loads and saves in its layer hooks (around each attention call)."""
+
+    def moves_kv_in_layers(self) -> bool:
+        """Whether the step under way loads or saves a prompt: the step's metadata lists the requests."""
+        return bool(self._get_connector_metadata().requests)
+
+
+class AcceptNamedProducer:
+    """
+    Mixed in before the NixlConnector. vLLM's NIXL handshake refuses a producer whose compatibility hash differs from
+    the consumer's own; the hash covers the vLLM version, the model as each engine was started (its path or name),
+    the dtype, KV heads, head size, layer count, attention backend and KV cache dtype. So a Dual-Flow consumer accepts
+    KV from an engine serving the same checkpoint and refuses its base model's engine. With `producer_model` in
+    `kv_connector_extra_config` (the model the producer was started with, as it was given) the consumer expects that
+    model's hash, with everything else its own: KV from an engine serving that model, and no other.
+    """
+
+    def register_kv_caches(self, kv_caches):
+        # vLLM's NIXL package loads the NIXL library: imported where the connector runs, not by every engine
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import compute_nixl_compatibility_hash
+
+        super().register_kv_caches(kv_caches)
+        producer_model = self._vllm_config.kv_transfer_config.get_from_extra_config(PRODUCER_MODEL, None)
+        if producer_model is None:
+            return
+        # The handshake compares the producer's hash with `compat_hash`; the consumer's own, computed above, stays
+        # in the metadata it advertises.
+        vllm_config = copy.copy(self._vllm_config)
+        model_config = copy.copy(vllm_config.model_config)
+        object.__setattr__(model_config, "model", producer_model)
+        object.__setattr__(vllm_config, "model_config", model_config)
+        worker = self.connector_worker
+        worker.compat_hash = compute_nixl_compatibility_hash(
+            vllm_config, worker.backend_name, transfer_mode=worker._TRANSFER_MODE
+        )
+        logger.info("NixlConnector: KV accepted from producers serving %s", producer_model)
+
+    def moves_kv_in_layers(self) -> bool:
+        """Never: NIXL reads a prompt's blocks between steps (the request waits), and its layer hooks do nothing."""
+        return False
+
+
+# What each tested connector adds: the checks its wire format allows on the consumer side, and when it moves KV.
+CONNECTOR_MIXINS = {
+    "ExampleConnector": (RefuseOtherModelsFiles, MovesKVAroundLayers),
+    "NixlConnector": (AcceptNamedProducer,),
+}
 
 
 @cache
 def connector_class(name: str) -> type:
     """`DualFlow<connector name>`: the connector vLLM registers under that name, without the KV-sharing layers."""
-    bases = (SkipKVSharingLayers, *FILE_CHECKS.get(name, ()), KVConnectorFactory.get_connector_class_by_name(name))
+    bases = (SkipKVSharingLayers, *CONNECTOR_MIXINS[name], KVConnectorFactory.get_connector_class_by_name(name))
     return type(PREFIX + name, bases, {})
 
 
@@ -183,14 +242,14 @@ def __getattr__(name: str):
 
 
 def moves_kv_this_step() -> bool:
-    """Whether the engine's KV connector loads or saves anything in the step under way (its metadata, bound for the
-    step, lists requests: the ExampleConnector's loads and saves)."""
+    """Whether the engine's KV connector loads or saves anything around the layers' attention calls in the step under
+    way (its metadata is bound for the step)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
         return False
     connector = get_kv_transfer_group()
-    return connector.has_connector_metadata() and bool(connector._get_connector_metadata().requests)
+    return connector.has_connector_metadata() and connector.moves_kv_in_layers()
 
 
 def uses_kv_connector(vllm_config) -> bool:
@@ -199,7 +258,8 @@ def uses_kv_connector(vllm_config) -> bool:
 
 
 def use_connector_without_kv_sharing_layers(kv_transfer_config) -> None:
-    """Point the engine's KV transfer configuration at the connector's subclass here; refuse untested connectors."""
+    """Point the engine's KV transfer configuration at the connector's subclass here; refuse untested connectors and
+    roles."""
     if kv_transfer_config.kv_connector_module_path == __name__:  # already done (the hook may run more than once)
         return
     name = kv_transfer_config.kv_connector
@@ -207,6 +267,12 @@ def use_connector_without_kv_sharing_layers(kv_transfer_config) -> None:
         raise ValueError(
             f"Dual-Flow in vLLM runs the KV connector {' or '.join(TESTED_CONNECTORS)} only (tested), not {name!r}: "
             "the serving guide lists what is supported"
+        )
+    role = kv_transfer_config.kv_role
+    if role not in TESTED_ROLES[name]:
+        raise ValueError(
+            f"Dual-Flow in vLLM runs the {name} as {' or '.join(TESTED_ROLES[name])} only (tested), not as {role!r}: "
+            "prefill with vLLM's engine on the base model, decode with Dual-Flow"
         )
     kv_transfer_config.kv_connector = PREFIX + name
     kv_transfer_config.kv_connector_module_path = __name__

@@ -73,6 +73,14 @@ TESTED_CONFIGURATIONS = {
     "P/D consumer": {
         "kv_transfer_config": {**EXAMPLE_CONNECTOR, "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
     },
+    "P/D consumer over NIXL": {
+        "kv_transfer_config": {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_consumer",
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"producer_model": "Qwen/Qwen3-30B-A3B"},
+        }
+    },
     "primary flow only": {"hf_overrides": {"use_aux_flow": False}},
     "aux top-k and every prompt position": {
         "hf_overrides": {"aux_num_experts_per_tok": 3, "aux_at_every_prompt_position": True},

@@ -1,15 +1,24 @@
 """Prefill on the base model, decode with Dual-Flow (docs/serving.md): vLLM's native Qwen3-MoE engine (or the Dual-Flow
 checkpoint, aux flow on or off) writes the prompts' KV through the ExampleConnector, a Dual-Flow engine reads it and
 decodes the Dual-Flow engine's tokens. The aux attention layers (KV-sharing, no pages of their own) are neither saved
-nor loaded; KV of another model is refused."""
+nor loaded; KV of another model is refused. The same over the NixlConnector: a base-model engine in a process of its
+own (nixl_producer.py) as producer, a Dual-Flow engine reading the KV from its memory."""
 
+import json
+import logging
+import os
 import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from nixl_producer import PARAMS_LINE
 from safetensors.torch import load_file, save_file
 from test_vllm_parity import record_attention_calls, recorded_attention_calls
+from test_vllm_server import free_port
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 from vllm_reference import (
@@ -205,12 +214,108 @@ def test_a_refused_file_fails_only_its_request_when_other_requests_share_its_cac
     assert finished["2"] == (("error", []) if policy == "fail" else ("length", alone[2]))
 
 
-@pytest.mark.parametrize("name", ["NixlConnector", "LMCacheConnectorV1", "OffloadingConnector"])
+@contextmanager
+def nixl_producer(model, tokenizer):
+    """A vLLM engine on `model` as the NixlConnector's producer, in a process of its own (nixl_producer.py): a function
+    that prefills prompts there and returns each prompt's `kv_transfer_params` for the consumer."""
+    env = os.environ | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    command = [sys.executable, str(Path(__file__).with_name("nixl_producer.py")), str(model), str(tokenizer)]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def prefill(prompts: list[list[int]]) -> list[dict]:
+        process.stdin.write(json.dumps(prompts) + "\n")
+        process.stdin.flush()
+        for line in process.stdout:
+            if line.startswith(PARAMS_LINE):
+                return json.loads(line.removeprefix(PARAMS_LINE))
+        raise RuntimeError(f"the NIXL producer exited with {process.wait()}")
+
+    try:
+        yield prefill
+    finally:
+        process.stdin.close()
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def nixl_consumer(**extra_config) -> dict:
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+    return {"kv_transfer_config": config | {"kv_connector_extra_config": extra_config}}
+
+
+def decode_after_remote_prefill(consumer, prompts, kv_transfer_params):
+    """The consumer's greedy completions of prompts the producer prefilled (what vLLM's proxy sends the consumer)."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=MAX_NEW_TOKENS,
+            logprobs=0,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": transfer},
+        )
+        for transfer in kv_transfer_params
+    ]
+    return consumer.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.fixture
+def keep_cpu_affinity():
+    # The NIXL worker pins the thread that starts a CPU engine (this one: the engine runs in-process) to one core per
+    # NUMA node, for its transfers; the tests after this one get every core back.
+    cores = os.sched_getaffinity(0)
+    yield
+    os.sched_setaffinity(0, cores)
+
+
+def test_base_model_prefill_then_dual_flow_decode_over_nixl(
+    checkpoint, engines, caplog, monkeypatch, keep_cpu_affinity
+):
+    engines.close()  # one CPU engine in this process at a time (conftest.py)
+    source = checkpoint.parent / "source"
+    reference = load_reference(checkpoint)
+    primary_layers = {f"model.layers.{i}.self_attn.attn" for i in range(SOURCE["num_hidden_layers"])}
+    with nixl_producer(source, tokenizer=checkpoint) as prefill:
+        # Told nothing, the consumer takes KV from engines serving its own checkpoint only: vLLM's handshake refuses
+        # the base model's engine (its compatibility hash names the model), and the requests end with an error.
+        with running_engine(checkpoint, **nixl_consumer()) as consumer:
+            # vLLM's log (configured as an engine starts) goes to the root logger too, where caplog reads
+            monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+            caplog.clear()
+            refused = decode_after_remote_prefill(consumer, BASE_PROMPTS, prefill(BASE_PROMPTS))
+        assert [(output.outputs[0].finish_reason, list(output.outputs[0].token_ids)) for output in refused] == [
+            ("error", [])
+        ] * len(BASE_PROMPTS)
+        assert "NIXL compatibility hash mismatch" in caplog.text
+
+        # Named as its producer, the base model's engine is accepted (its hash, everything else the consumer's own).
+        with running_engine(checkpoint, **nixl_consumer(producer_model=str(source))) as consumer:
+            connector = get_kv_transfer_group()
+            assert type(connector).__name__ == "DualFlowNixlConnector"
+            # the primary layers' pages are registered with NIXL, the aux (KV-sharing) layers' are not
+            assert set(connector.connector_worker.device_kv_caches) == primary_layers
+            consumer.apply_model(record_attention_calls)
+            outputs = decode_after_remote_prefill(consumer, BASE_PROMPTS, prefill(BASE_PROMPTS))
+            calls = consumer.apply_model(recorded_attention_calls)[0]
+    assert_matches_transformers(outputs, BASE_PROMPTS, reference, MAX_NEW_TOKENS)
+    # The prompts' KV came over NIXL: the consumer computed one row of each prompt (its last token: vLLM recomputes
+    # it to sample), then decoded, every step on the one-piece path (the aux layers' calls, both flows' heads).
+    assert not [call for call in calls if call[0] in primary_layers]
+    rows = [rows for name, rows, _ in calls if name == "model.aux_attn.0"]
+    assert sum(rows) == len(BASE_PROMPTS) * MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("name", ["LMCacheConnectorV1", "OffloadingConnector", "MooncakeConnector"])
 def test_untested_connectors_are_refused_in_one_line(name):
     from vllm.config.kv_transfer import KVTransferConfig
 
     from dualflow.serving.kv_transfer import use_connector_without_kv_sharing_layers
 
-    with pytest.raises(ValueError, match=rf"runs the KV connector ExampleConnector only \(tested\), not '{name}'") as e:
+    message = rf"runs the KV connector ExampleConnector or NixlConnector only \(tested\), not '{name}'"
+    with pytest.raises(ValueError, match=message) as e:
         use_connector_without_kv_sharing_layers(KVTransferConfig(kv_connector=name, kv_role="kv_both"))
     assert "\n" not in str(e.value)

@@ -49,10 +49,7 @@ class WithEnvironment:
     value: str
 
 
-KV_CONNECTOR = {
-    "kv_connector": "NixlConnector",
-    "kv_role": "kv_both",
-}
+NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
 EXPERT_PARALLEL_REFUSAL = r"not been verified with expert parallelism \(enable_expert_parallel, all2all_backend='{}'\)"
 CONTEXT_PARALLEL_REFUSAL = "not been verified with context parallelism: start with prefill_context_parallel_size=1"
 
@@ -80,10 +77,24 @@ REFUSED = {
     "Prompt embeddings with the aux flow": [
         ({"enable_prompt_embeds": True}, r"prompt embeddings \(enable_prompt_embeds\) need use_aux_flow=False")
     ],
-    "KV connectors other than the ExampleConnector (NIXL, LMCache, Mooncake, offloading)": [
+    "KV connectors other than the ExampleConnector and the NixlConnector (LMCache, Mooncake, offloading)": [
         (
-            {"kv_transfer_config": KV_CONNECTOR},
-            r"runs the KV connector ExampleConnector only \(tested\), not 'NixlConnector'",
+            {"kv_transfer_config": {"kv_connector": name, "kv_role": "kv_both"}},
+            rf"runs the KV connector ExampleConnector or NixlConnector only \(tested\), not '{name}'",
+        )
+        for name in ("LMCacheConnectorV1", "MooncakeConnector", "OffloadingConnector", "SimpleCPUOffloadConnector")
+    ],
+    "The NixlConnector on a Dual-Flow producer": [
+        (
+            {"kv_transfer_config": {**NIXL_CONSUMER, "kv_role": role}},
+            rf"runs the NixlConnector as kv_consumer only \(tested\), not as '{role}'",
+        )
+        for role in ("kv_producer", "kv_both")
+    ],
+    "The NixlConnector with tensor parallelism": [
+        (
+            {"tensor_parallel_size": 2, "kv_transfer_config": NIXL_CONSUMER},
+            r"does not run the NixlConnector with tensor_parallel_size=2 \(never run with this model\)",
         )
     ],
     "Quantised KV cache (fp8, fp8_e4m3, fp8_e5m2)": [
