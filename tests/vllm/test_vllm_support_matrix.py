@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from vllm import envs
 from vllm.config.vllm import OPTIMIZATION_LEVEL_TO_CONFIG
 from vllm.engine.arg_utils import EngineArgs
 from vllm_reference import ENGINE_ARGS
@@ -250,6 +251,8 @@ def test_each_refused_option_is_refused_in_one_line(case, message, checkpoint, b
     with pytest.raises(ValueError) as refused:
         if isinstance(case, WithEnvironment):
             monkeypatch.setenv(case.name, case.value)
+            # an engine started earlier in this process froze vLLM's environment reads (`envs.enable_envs_cache`)
+            envs.disable_envs_cache()
             check_supported(built.model_config.hf_config, built)
         elif isinstance(case, SetOnBuilt):
             monkeypatch.setattr(getattr(built, case.section), case.field, case.value)
