@@ -264,6 +264,18 @@ def test_each_refused_option_is_refused_in_one_line(case, message, checkpoint, b
     assert re.search(message, error), error
 
 
+def test_the_v2_runner_refusal_advice_works_as_printed(built, monkeypatch):
+    """The refusal of vLLM's V2 runner names an environment setting; set as printed, the same engine passes."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    envs.disable_envs_cache()
+    with pytest.raises(ValueError) as refused:
+        check_supported(built.model_config.hf_config, built)
+    name, value = re.search(r"start with (VLLM_\w+)=(\w+)", str(refused.value)).groups()
+    monkeypatch.setenv(name, value)
+    assert built.use_v2_model_runner is False
+    check_supported(built.model_config.hf_config, built)
+
+
 def test_turned_off_passes_stay_off_where_vllms_defaults_switch_them_on(checkpoint, built, monkeypatch):
     passes = turned_off_passes()
     assert {name: getattr(built.compilation_config.pass_config, name) for name in passes} == dict.fromkeys(
