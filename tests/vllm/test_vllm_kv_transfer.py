@@ -18,7 +18,7 @@ import torch
 from nixl_producer import PARAMS_LINE
 from safetensors.torch import load_file, save_file
 from test_vllm_parity import record_attention_calls, recorded_attention_calls
-from test_vllm_server import free_port
+from test_vllm_server import free_port, stop_session
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 from vllm_reference import (
@@ -220,7 +220,9 @@ def nixl_producer(model, tokenizer):
     that prefills prompts there and returns each prompt's `kv_transfer_params` for the consumer."""
     env = os.environ | {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
     command = [sys.executable, str(Path(__file__).with_name("nixl_producer.py")), str(model), str(tokenizer)]
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
 
     def prefill(prompts: list[list[int]]) -> list[dict]:
         process.stdin.write(json.dumps(prompts) + "\n")
@@ -233,17 +235,11 @@ def nixl_producer(model, tokenizer):
     try:
         yield prefill
     finally:
-        process.stdin.close()
-        # the engine's own shutdown can outlast the test by minutes (NIXL's agent threads); nothing it holds is needed
+        process.stdin.close()  # it shuts its engine down when its input ends
         try:
             process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        except subprocess.TimeoutExpired:  # NIXL's agent threads can hold that shutdown for minutes
+            stop_session(process, 10)
 
 
 def nixl_consumer(**extra_config) -> dict:

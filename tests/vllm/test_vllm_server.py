@@ -25,6 +25,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_session(process: subprocess.Popen, seconds: float) -> None:
+    """SIGTERM to a process started with `start_new_session=True`; if it has not ended after `seconds` (a server still
+    starting, an engine stuck in its shutdown), SIGKILL to its whole session, its engine processes included."""
+    process.terminate()
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     port = free_port()
@@ -52,12 +63,7 @@ def server(checkpoint, tmp_path_factory):
                 time.sleep(1)
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused"), str(checkpoint)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # still starting: its engine processes are in its session
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_session(process, 60)
 
 
 @pytest.fixture(scope="module")
