@@ -212,6 +212,12 @@ def raised_by_the_model(error: ValueError) -> ValueError:
     return error
 
 
+def set_vllm_environment(monkeypatch, name: str, value: str) -> None:
+    monkeypatch.setenv(name, value)
+    # an engine started earlier in this process froze vLLM's environment reads (`envs.enable_envs_cache`)
+    envs.disable_envs_cache()
+
+
 @pytest.fixture(scope="module")
 def built(checkpoint):
     return engine_config(checkpoint)
@@ -250,9 +256,7 @@ def test_the_matrix_and_the_allowlist_agree_both_ways():
 def test_each_refused_option_is_refused_in_one_line(case, message, checkpoint, built, monkeypatch):
     with pytest.raises(ValueError) as refused:
         if isinstance(case, WithEnvironment):
-            monkeypatch.setenv(case.name, case.value)
-            # an engine started earlier in this process froze vLLM's environment reads (`envs.enable_envs_cache`)
-            envs.disable_envs_cache()
+            set_vllm_environment(monkeypatch, case.name, case.value)
             check_supported(built.model_config.hf_config, built)
         elif isinstance(case, SetOnBuilt):
             monkeypatch.setattr(getattr(built, case.section), case.field, case.value)
@@ -266,12 +270,11 @@ def test_each_refused_option_is_refused_in_one_line(case, message, checkpoint, b
 
 def test_the_v2_runner_refusal_advice_works_as_printed(built, monkeypatch):
     """The refusal of vLLM's V2 runner names an environment setting; set as printed, the same engine passes."""
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    envs.disable_envs_cache()
+    set_vllm_environment(monkeypatch, "VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(ValueError) as refused:
         check_supported(built.model_config.hf_config, built)
     name, value = re.search(r"start with (VLLM_\w+)=(\w+)", str(refused.value)).groups()
-    monkeypatch.setenv(name, value)
+    set_vllm_environment(monkeypatch, name, value)
     assert built.use_v2_model_runner is False
     check_supported(built.model_config.hf_config, built)
 
