@@ -76,21 +76,35 @@ def check_upload_folder(folder) -> str:
 
 
 def model_weight_files(folder: Path) -> list[str]:
-    """The weight files the model loads from: model.safetensors, or the index and exactly the shards it lists."""
+    """
+    The weight files the model loads from: model.safetensors (with an index that maps every tensor to it, as
+    compressed-tensors writes), or the index and exactly the shards it lists.
+    """
     index_path = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file():
-        if index_path.is_file():  # transformers loads model.safetensors: the two may hold different weights
-            raise DualFlowUserError(
-                f"{folder} holds both model.safetensors and model.safetensors.index.json: remove the stale one"
-            )
-        return ["model.safetensors"]
+    single = (folder / "model.safetensors").is_file()
     if not index_path.is_file():
+        if single:
+            return ["model.safetensors"]
         raise DualFlowUserError(f"{folder} has no weights ({' or '.join(WEIGHT_FILES)})")
     try:
         shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as error:
         raise DualFlowUserError(f"{index_path} is not a valid safetensors index: {error!r}") from None
-    return [index_path.name, *shards]
+    if not single or shards == ["model.safetensors"]:
+        return [index_path.name, *shards]
+    # transformers loads model.safetensors whenever it is present and ignores the index
+    absent = [name for name in shards if not (folder / name).is_file()]
+    if absent:
+        raise DualFlowUserError(
+            f"{index_path} is stale: it names {', '.join(absent)}, not in the folder, and transformers loads "
+            "model.safetensors: remove the index"
+        )
+    others = [name for name in shards if name != "model.safetensors"]
+    raise DualFlowUserError(
+        f"{folder} holds two sets of weights, model.safetensors and the shards its index names "
+        f"({', '.join(others)}); transformers loads model.safetensors alone: move the stale set away "
+        "(model.safetensors, or model.safetensors.index.json with its shards)"
+    )
 
 
 def remote_code_files(folder: Path) -> list[str]:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 from helpers import run_dualflow, signallable_process, tiny_model
+from safetensors import safe_open
 from transformers import ByT5Tokenizer
 
 from dualflow.cli import main as cli_main
@@ -515,12 +516,36 @@ def test_push_of_a_sharded_model_uploads_exactly_the_index_shards(tmp_path, fake
     }
     assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--token", "hf_test"]) == 0, capsys.readouterr().err
     assert set(fake_hub.committed_files()) == saved
-    # transformers would load model.safetensors and ignore the index: which one is stale is the user's call.
+    # transformers would load model.safetensors and ignore the index: which set is stale is the user's call.
     (folder / "model-old.safetensors").rename(folder / "model.safetensors")
     assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--dry-run"]) == 2
     assert capsys.readouterr().err == (
-        f"dualflow push: error: {folder} holds both model.safetensors and model.safetensors.index.json: "
-        "remove the stale one\n"
+        f"dualflow push: error: {folder} holds two sets of weights, model.safetensors and the shards its index "
+        f"names ({', '.join(sorted(shards))}); transformers loads model.safetensors alone: move the stale set away "
+        "(model.safetensors, or model.safetensors.index.json with its shards)\n"
+    )
+
+
+def test_push_accepts_an_index_of_model_safetensors_and_names_a_stale_one(upload_folder, fake_hub, capsys):
+    # compressed-tensors writes an index beside model.safetensors that maps every tensor to it: consistent.
+    _, folder = upload_folder
+    with safe_open(folder / "model.safetensors", framework="pt") as weights:
+        weight_map = dict.fromkeys(weights.keys(), "model.safetensors")
+    index_path = folder / "model.safetensors.index.json"
+    index_path.write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
+    saved = folder_bytes(folder)
+    listed, local = dry_run(capsys, folder, "someone/tiny-dualflow")
+    assert {"model.safetensors", "model.safetensors.index.json"} <= set(listed) and set(listed) == set(saved)
+    assert local == {}
+    assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--token", "hf_test"]) == 0, capsys.readouterr().err
+    assert fake_hub.committed_files()["model.safetensors"] == saved["model.safetensors"]
+    # An index naming shards that are gone is the stale one; model.safetensors, the only weights, is what loads.
+    weight_map[next(iter(weight_map))] = "model-00002-of-00002.safetensors"
+    index_path.write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map}))
+    assert cli_main(["push", str(folder), "someone/tiny-dualflow", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (
+        f"dualflow push: error: {index_path} is stale: it names model-00002-of-00002.safetensors, not in the "
+        "folder, and transformers loads model.safetensors: remove the index\n"
     )
 
 
