@@ -12,7 +12,6 @@ def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
             "Convert a checkpoint folder or Hub repo id into a Hub-ready Dual-Flow checkpoint whose primary flow is "
             f"exactly the source model. Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("src", metavar="SRC", help="source checkpoint: local folder or Hub repo id")
     parser.add_argument("out", metavar="OUT", help="output folder (absent or empty unless --overwrite)")
@@ -26,16 +25,25 @@ def build_parser(prog: str = "dualflow convert") -> argparse.ArgumentParser:
         "--aux-rounds",
         type=int,
         default=1,
-        help="passes of the aux flow through the layers (aux_num_rounds); extra rounds start as the identity",
+        help="passes of the aux flow through the layers (aux_num_rounds); extra rounds start as the identity "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--aux-adapter-rank",
         type=int,
         default=0,
-        help="rank of the aux adapters (low-rank deltas acting on aux rows only; 0 = none); they start at zero",
+        help="rank of the aux adapters (low-rank deltas acting on aux rows only; 0 = none); they start at zero "
+        "(default: %(default)s)",
     )
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="output dtype; auto keeps the source's")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default="auto",
+        help="output dtype; auto keeps the source's (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest output shard, e.g. 500MB (default: %(default)s)"
+    )
     parser.add_argument(
         "--verify",
         action="store_true",

@@ -52,6 +52,15 @@ def test_each_command_has_its_own_help():
         )
 
 
+def test_each_option_states_its_default_at_most_once_and_never_none():
+    # argparse's ArgumentDefaultsHelpFormatter appended "(default: None)" after a help text that already gave one.
+    for name, (module, _) in COMMANDS.items():
+        help_text = importlib.import_module(module).build_parser(f"dualflow {name}").format_help()
+        for entry in re.split(r"\n(?=  -)", help_text):
+            entry = " ".join(entry.split())  # a wrapped "(default:\n  None)" too
+            assert "(default: None)" not in entry and entry.count("(default:") <= 1, (name, entry)
+
+
 def test_core_tools_work_without_the_instruments_extra():
     # As after `pip install -e .` without extras: matplotlib missing; the tools import and write a model card.
     code = (
