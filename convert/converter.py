@@ -64,7 +64,7 @@ def build_config(
         ) from error
     config.architectures = ["DualFlowForCausalLM"]
     config.auto_map = dict(AUTO_MAP)
-    config.dtype = dtype or source.config_dict.get("dtype") or source.config_dict.get("torch_dtype") or "float32"
+    config.dtype = dtype or source.dtype
     return config
 
 

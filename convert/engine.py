@@ -22,11 +22,10 @@ from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 
 from .families import Family
 from .safetensors_writer import StreamingSafetensorsWriter
-from .source import INDEX_FILE, SourceCheckpoint
+from .source import EMBEDDING, INDEX_FILE, SourceCheckpoint
 
 
 LAYER_NAME = re.compile(r"^(?P<prefix>model\.layers\.\d+\.)(?P<local>.+)$")
-EMBEDDING = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 FUSED_EXPERT_NAMES = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # Buffers some older checkpoints still carry; the model recomputes them.

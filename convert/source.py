@@ -19,6 +19,7 @@ from .quantized import SCALE_SUFFIX, source_quantization
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+EMBEDDING = "model.embed_tokens.weight"
 # A folder from the Hub cache names its repo: .../models--{org}--{name}/snapshots/{revision}
 HUB_CACHE_PATH = re.compile(r"models--(?P<org>[^/]+)--(?P<name>[^/]+)/snapshots/[^/]+/?$")
 # safetensors dtype codes -> torch dtype names (the float formats checkpoints of these families use).
@@ -136,14 +137,23 @@ class SourceCheckpoint:
         return self._dequantized_view(tensors) if self.quantization else tensors
 
     @property
-    def dequantized_dtype(self) -> torch.dtype:
-        """The dtype of the source's unquantized weights (config.json's dtype), which its FP8 weights take too."""
+    def dtype(self) -> torch.dtype:
+        """
+        The dtype of the source's unquantized weights: config.json's, or where it names none, the stored embedding's.
+        The converted config states it, and a block-FP8 source's weights are dequantized to it.
+        """
+        return self._unquantized_dtype(self.tensors)
+
+    def _unquantized_dtype(self, tensors: dict[str, TensorInfo]) -> torch.dtype:
         name = self.config_dict.get("dtype") or self.config_dict.get("torch_dtype")
-        return getattr(torch, name) if name in _TORCH_DTYPE_NAMES.values() else torch.bfloat16
+        if name in _TORCH_DTYPE_NAMES.values():
+            return getattr(torch, name)
+        # transformers' default where there is no embedding either; the conversion then stops at the missing tensor
+        return tensors[EMBEDDING].dtype if EMBEDDING in tensors else torch.float32
 
     def _dequantized_view(self, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
         """Each float8 weight paired with its scales (checked), which are not tensors of the model."""
-        view = {}
+        view, dtype = {}, self._unquantized_dtype(tensors)
         for key, info in tensors.items():
             scale_key = key + SCALE_SUFFIX
             if info.dtype != torch.float8_e4m3fn:
@@ -162,7 +172,7 @@ class SourceCheckpoint:
                     f"{key} of shape {list(info.shape)} in blocks of {self.quantization.block_size}"
                 )
             scale_file = tensors[scale_key].file
-            view[key] = TensorInfo(info.file, info.shape, self.dequantized_dtype, scale_key, scale_file)
+            view[key] = TensorInfo(info.file, info.shape, dtype, scale_key, scale_file)
         return view
 
     def info(self, key: str) -> TensorInfo:

@@ -140,6 +140,29 @@ def test_fp8_source_to_bfloat16(tmp_path):
     assert torch.equal(written[key], expected.to(torch.bfloat16))  # dequantized in fp32, rounded once
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weights_take_the_dtype_of_the_other_tensors_when_config_names_none(dtype, tmp_path):
+    # config.json without a dtype: the weights are dequantized to the dtype the unquantized tensors are stored in,
+    # and the converted config says so; one dtype throughout, not bf16 weights in a float32 checkpoint.
+    source = make_source("qwen3_moe", **EDGE_BLOCKS).to(dtype)
+    fp8, dequantized = save_fp8_source(source, tmp_path / "src", "single")
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["dtype"]
+    (fp8 / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    convert_checkpoint(fp8, out, show_progress=False)
+    assert {tensor.dtype for tensor in _stored(out).values()} == {dtype}
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    reference = AutoModelForCausalLM.from_pretrained(dequantized, dtype=dtype).eval()
+    if dtype == torch.float32:  # exact: the oracle's weights and computation
+        model, expected_logits, _ = assert_parity(reference, out)
+        with torch.no_grad():
+            assert torch.equal(model(PROMPT, use_aux_flow=False).logits, expected_logits)
+    else:  # dequantized in float32, rounded once
+        key = "model.layers.1.mlp.experts.down_proj"
+        assert torch.equal(load_file(out / "model.safetensors")[key], reference.state_dict()[key])
+
+
 def test_transformers_dequantization_agrees_and_verify_passes(tmp_path):
     # transformers' own dequantizing load (FineGrainedFP8Config(dequantize=True)) is a second oracle where every
     # weight is a whole number of blocks: 256 = 2 x 128 (hidden, q_proj rows), 128 (experts, k/v rows).
