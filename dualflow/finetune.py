@@ -82,6 +82,10 @@ TRAINER_DEFAULTS = {
 }
 # Trainer's own interval between checkpoints, the most `save_steps` None waits.
 LONGEST_SAVE_INTERVAL = 500
+# The saved model's config in place of the training settings (finetune() sets the router logits the balance loss
+# needs, Trainer turns the cache off): inference defaults, whatever the model started from. A Trainer checkpoint's
+# config holds the training settings, so restoring the loaded values would save them again.
+INFERENCE_SETTINGS = {"output_router_logits": False, "use_cache": True}
 
 
 def planned_steps(num_blocks: int, arguments: dict) -> int:
@@ -505,9 +509,8 @@ def finetune(
             model = load_dualflow_model(source, config=config, dtype=torch.float32, **quantization)
             if aux_only:
                 freeze_for_aux_training(model)
-            # Training settings restored before saving: the router balance loss is part of the training objective
-            # (the model's loss adds it), and Trainer turns the cache off.
-            saved_settings = {"output_router_logits": model.config.output_router_logits, "use_cache": config.use_cache}
+            # A training setting, replaced by INFERENCE_SETTINGS before saving: the router balance loss is part of the
+            # training objective (the model's loss adds it).
             model.config.output_router_logits = bool(model.config.num_experts)
             if lora:
                 try:
@@ -554,7 +557,7 @@ def finetune(
                 )
                 print(f"eval NLL per token (nats) after:  {_format_nll(after)}")
 
-            for name, value in saved_settings.items():
+            for name, value in INFERENCE_SETTINGS.items():
                 setattr(model.config, name, value)
             model.save_pretrained(folder.path)
             mode = "LoRA" if lora else "aux-only" if aux_only else "full"
