@@ -1,18 +1,19 @@
 """
 `dualflow` command line. Each subcommand lives in its own module exposing `build_parser(prog)` and `run(args)`; only
 the module of the command being run is imported, and it imports torch and transformers only in `run`, so `--help` and
-argument errors are instant. A DualFlowUserError (the user's mistake), Ctrl-C, SIGTERM or SIGHUP (`kill`, `timeout`, a job
+argument errors are instant. bitsandbytes and torchao stay out of a command that does not quantise (a module's
+`quantisation_libraries(args)` names those it uses). A DualFlowUserError (the user's mistake), Ctrl-C, SIGTERM or SIGHUP (`kill`, `timeout`, a job
 scheduler) ends in one line; any other exception is a bug in our code and keeps its traceback.
 """
 
 import argparse
 import importlib
-import logging
 import signal
 import sys
 from importlib.metadata import version
 
 from .errors import DualFlowUserError, terminating_signals_as_interrupt
+from .quantisation_libraries import quantisation_libraries_left_out
 
 
 # name: (module, one-line help)
@@ -67,15 +68,8 @@ def close_progress_bars() -> None:
         bar.close()
 
 
-# Loggers that speak when transformers imports torchao (installed for quantisation) on a CPU-only torch: torchao's
-# CUDA kernels fail to load, and torch notes that torchao registers Enum types. Nothing the user can act on.
-IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    for name in IMPORT_TIME_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
     if not argv or argv[0] not in COMMANDS:
         build_parser().parse_args(argv)  # prints the help or the usage error and exits
     command = argv[0]
@@ -83,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             module = importlib.import_module(COMMANDS[command][0])
             args = module.build_parser(f"dualflow {command}").parse_args(argv[1:])
-            return module.run(args) or 0
+            # a command names the quantisation libraries it uses (`quantisation_libraries(args)`); the others stay out
+            keep = module.quantisation_libraries(args) if hasattr(module, "quantisation_libraries") else ()
+            with quantisation_libraries_left_out(keep):
+                return module.run(args) or 0
         except DualFlowUserError as error:
             close_progress_bars()
             print(f"dualflow {command}: error: {error}", file=sys.stderr)

@@ -40,6 +40,7 @@ from .output_folder import (
     remove,
     written_by_run,
 )
+from .quantisation_libraries import check_4bit_model_runs_on_this_cpu
 from .scoring import mean_token_nlls
 from .training_data import blocks_for_steps, load_data, pack_data
 
@@ -507,6 +508,8 @@ def finetune(
             if load_in_4bit:
                 quantization["quantization_config"] = qlora_quantization_config(compute_dtype)
             model = load_dualflow_model(source, config=config, dtype=torch.float32, **quantization)
+            if load_in_4bit:
+                check_4bit_model_runs_on_this_cpu(model)
             if aux_only:
                 freeze_for_aux_training(model)
             # A training setting, replaced by INFERENCE_SETTINGS before saving: the router balance loss is part of the

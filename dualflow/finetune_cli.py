@@ -6,11 +6,15 @@ own parser, which is imported only to run.
 
 import argparse
 import hashlib
+import importlib.util
 import os
+import sys
 from importlib import metadata
 from pathlib import Path
 
+from .data_paths import check_local_data
 from .errors import DualFlowUserError
+from .quantisation_libraries import import_bitsandbytes
 
 
 USAGE = "%(prog)s MODEL --data FILE [--output-dir DIR] [options] [TrainingArguments flags]"
@@ -181,7 +185,17 @@ def build_parser(prog: str = "dualflow finetune") -> FinetuneParser:
     return parser
 
 
+def quantisation_libraries(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("bitsandbytes",) if args.load_in_4bit and args.lora else ()
+
+
 def run(args: argparse.Namespace) -> int:
+    check_local_data(args.data)  # before the imports of a run (seconds): a mistyped path is refused at once
+    if quantisation_libraries(args) and importlib.util.find_spec("bitsandbytes") is not None:
+        # before transformers' Trainer imports PEFT, which imports bitsandbytes and lets it speak
+        note = import_bitsandbytes()
+        if note:
+            print(note, file=sys.stderr)
     from .finetune import finetune
 
     options = dict(vars(args))

@@ -26,21 +26,11 @@ from huggingface_hub import metadata_load
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 
+from .data_paths import DATA_SUFFIXES, FILE_FORMATS, check_local_data
 from .errors import DualFlowUserError
 from .instruments.data import read_utf8_text
 
 
-# Suffix -> the datasets builder that reads such a file into rows, and its options. A .txt file is one document.
-FILE_FORMATS = {
-    ".jsonl": ("json", {}),
-    ".json": ("json", {}),
-    ".parquet": ("parquet", {}),
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"sep": "\t"}),
-    ".arrow": ("arrow", {}),
-}
-DATA_SUFFIXES = (".txt", *FILE_FORMATS)
-HUB_ID = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")
 # The labels of the tokens that are not trained on (the chat around the assistant's turns).
 IGNORE_INDEX = -100
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -94,16 +84,16 @@ def load_data(
     Rows give their `text_field`, or a `messages` list. With `streaming`, rows are read as `pack_data` consumes them
     (`IterableDataset`s, no Arrow cache); without, local files are converted into datasets' cache first.
     """
+    entries = [data] if isinstance(data, (str, os.PathLike)) else data
+    check_local_data(entries)
     sources = []
-    for entry in [data] if isinstance(data, (str, os.PathLike)) else data:
+    for entry in entries:
         path = Path(entry)
         if path.is_dir():
             sources.extend(_folder(path, text_field, data_split, data_config, streaming))
         elif path.exists():
             sources.append(_file(path, text_field, streaming))
-        elif path.suffix in DATA_SUFFIXES or not HUB_ID.fullmatch(str(entry)):
-            raise DualFlowUserError(f"data file {path} does not exist")
-        else:
+        else:  # a Hub dataset id (check_local_data)
             with _reading(f"data {entry} (no such file or folder; as a Hub dataset, split {data_split})"):
                 rows = load_dataset(str(entry), data_config, split=data_split, streaming=streaming)
             sources.append(DataSource(_dataset_name(entry, data_config, data_split), rows, text_field))

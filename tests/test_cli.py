@@ -19,14 +19,19 @@ from dualflow.cli import COMMANDS, main
 HEAVY = ("torch", "transformers", "huggingface_hub")
 
 
-def run_cli(*argv) -> subprocess.CompletedProcess:
+QUANTISATION = ("bitsandbytes", "torchao")
+
+
+def run_cli(*argv, watch=HEAVY, label="heavy imports", cwd=None) -> subprocess.CompletedProcess:
+    """Run `dualflow ARGV` in a new interpreter; its stderr ends with `label: ` and the modules of `watch` it loaded."""
     code = (
         "import sys\nfrom dualflow.cli import main\n"
         "try:\n    status = main(sys.argv[1:])\nexcept SystemExit as exit:\n    status = exit.code\n"
-        f"print('heavy imports:', [name for name in {HEAVY!r} if name in sys.modules], file=sys.stderr)\n"
+        f"print({label + ':'!r}, [name for name in {watch!r} if sys.modules.get(name)], file=sys.stderr)\n"
         "sys.exit(status)"
     )
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-c", code, *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def test_help_lists_every_command_without_heavy_imports():
@@ -143,15 +148,47 @@ def test_finetune_help_and_errors_are_short():
     assert completed.stdout.index("--data") < completed.stdout.index("--help-trainer")
     completed = run_cli("finetune")  # no model, no --data: the short usage and one error line
     assert completed.returncode == 2
-    assert completed.stderr.splitlines()[:2] == [
+    assert completed.stderr.splitlines() == [
         "usage: dualflow finetune MODEL --data FILE [--output-dir DIR] [options] [TrainingArguments flags]",
         "dualflow finetune: error: the following arguments are required: model, --data",
+        "heavy imports: []",
     ]
-    completed = run_cli("finetune", "some/model", "--data", "x.txt", "--max-steps", "many")
+    notes = Path(os.__file__)  # a data file that exists
+    completed = run_cli("finetune", "some/model", "--data", notes, "--max-steps", "many", watch=QUANTISATION)
     assert completed.returncode == 2
-    assert completed.stderr.splitlines()[0] == (
-        "dualflow finetune: error: argument --max_steps/--max-steps: invalid int value: 'many'"
-    )
+    assert completed.stderr.splitlines() == [
+        "dualflow finetune: error: argument --max_steps/--max-steps: invalid int value: 'many'",
+        "heavy imports: []",  # of bitsandbytes and torchao: a run that quantises nothing leaves them out
+    ]
+
+
+def test_only_a_qlora_run_loads_bitsandbytes_and_no_command_loads_torchao():
+    """
+    Loaded, both speak before a command's own output (bitsandbytes fetches its CPU kernel from the Hub on CPUs with
+    AVX512-BF16 and logs when it cannot; torchao logs that its CUDA kernels do not load on a CPU-only torch).
+    """
+    assert all(importlib.util.find_spec(name) for name in QUANTISATION)  # installed: the test extra has both
+    notes = str(Path(os.__file__))
+    argv = ("finetune", "some/model", "--data", notes, "--lora", "--load-in-4bit", "--max-steps", "many")
+    completed = run_cli(*argv, watch=QUANTISATION, label="loaded")
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines()[-2:] == [
+        "dualflow finetune: error: argument --max_steps/--max-steps: invalid int value: 'many'",
+        "loaded: ['bitsandbytes']",
+    ]
+    completed = run_cli("convert", notes, "out", "--aux-top-k", "0", watch=QUANTISATION, label="loaded")
+    assert completed.returncode == 2 and completed.stderr.splitlines()[-1] == "loaded: []"
+
+
+@pytest.mark.parametrize("entry", ["data/notes.parqet", "notes.jsnol", "data/notes.txt"])
+def test_a_missing_local_data_path_is_refused_before_torch_loads(tmp_path, entry):
+    (tmp_path / "data").mkdir()  # `data/...` is a local path, not the Hub dataset "notes.parqet" of user "data"
+    completed = run_cli("finetune", "some/model", "--data", entry, cwd=tmp_path)
+    assert completed.returncode == 2
+    assert completed.stderr.splitlines() == [
+        f"dualflow finetune: error: data file {entry} does not exist",
+        "heavy imports: []",
+    ]
 
 
 def test_only_user_errors_are_one_line_exits(tmp_path, monkeypatch, capsys):

@@ -4,10 +4,13 @@ on a 4-bit base (`dualflow finetune --load-in-4bit`), and the experts reached as
 Qwen3-MoE's.
 """
 
+import copy
 import sys
 
+import bitsandbytes.functional
 import pytest
 import torch
+from bitsandbytes.functional import _convert_weight_packed_for_cpu
 from bitsandbytes.nn import Linear4bit
 from helpers import byte_model, make_source, pack_texts, run_finetune, stdlib_blocks, stdlib_text, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -17,7 +20,13 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer
 from dualflow.convert import convert_checkpoint
 from dualflow.finetune import flow_nll, make_trainer, split_blocks
 from dualflow.lora import add_lora, qlora_quantization_config
+from dualflow.quantisation_libraries import cpu_unpackable_4bit_layers
 from modeling_dualflow import DualFlowForCausalLM
+
+
+# The 4-bit tests' model: projections bitsandbytes can repack for its CPU kernel on CPUs with AVX512-BF16 (out_features
+# in multiples of 32, in_features in blocks of 64); the 32-wide tiny model's cannot be.
+PACKABLE = dict(hidden_size=64, intermediate_size=64)
 
 
 def test_lora_adapts_attention_and_fused_experts_and_trains_aux_in_full():
@@ -101,7 +110,7 @@ def test_lora_adapter_round_trip_and_merge(tmp_path, overrides):
 
 
 def test_qlora_trains_on_a_4bit_base_and_the_saved_adapter_gives_the_same_tokens(tmp_path):
-    byte_model().save_pretrained(tmp_path / "base")
+    byte_model(**PACKABLE).save_pretrained(tmp_path / "base")
     load_in_4bit = lambda: AutoModelForCausalLM.from_pretrained(  # noqa: E731
         tmp_path / "base", quantization_config=qlora_quantization_config()
     ).eval()
@@ -164,7 +173,7 @@ def _scaling(peft_model, parameter_name: str) -> float:
 
 
 def test_finetune_load_in_4bit_saves_the_adapter_it_trained(tmp_path, capsys):
-    byte_model().save_pretrained(tmp_path / "model")
+    byte_model(**PACKABLE).save_pretrained(tmp_path / "model")
     ByT5Tokenizer().save_pretrained(tmp_path / "model")
     text = stdlib_text("textwrap.py", chars=6000)
     (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
@@ -205,3 +214,44 @@ def test_load_in_4bit_without_bitsandbytes_says_what_to_install(tmp_path, capsys
     assert run_finetune(tmp_path / "model", *argv) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert error == ["dualflow finetune: error: --load-in-4bit needs bitsandbytes: pip install bitsandbytes"]
+
+
+@pytest.mark.parametrize("shape", [{}, PACKABLE], ids=["tiny", "packable"])
+def test_the_4bit_shape_rule_agrees_with_bitsandbytes_cpu_repacking(tmp_path, shape):
+    """
+    On a CPU with AVX512-BF16, bitsandbytes repacks each 4-bit weight for its CPU kernel at the layer's first forward
+    outside training. The repacking itself is plain torch and runs on any CPU: it succeeds on exactly the layers the
+    package's rule passes, and the 4-bit tests' model passes everywhere.
+    """
+    byte_model(**shape).save_pretrained(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=qlora_quantization_config())
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, Linear4bit)}
+    unpackable = cpu_unpackable_4bit_layers(model)
+    assert layers and bool(unpackable) == (shape != PACKABLE)
+    for name, layer in layers.items():
+        state = copy.deepcopy(layer.weight.quant_state)
+        try:
+            _convert_weight_packed_for_cpu(layer.weight.data.clone(), state)
+        except (AssertionError, RuntimeError):
+            assert name in unpackable
+        else:
+            assert name not in unpackable and state.packing_format_for_cpu
+
+
+def test_finetune_load_in_4bit_refuses_what_the_avx512_bf16_kernel_cannot_pack(tmp_path, capsys, monkeypatch):
+    # bitsandbytes' answer for a CPU with AVX512-BF16 (this CPU's own answer decides which path it takes)
+    monkeypatch.setattr(bitsandbytes.functional, "has_avx512bf16", lambda: True)
+    byte_model().save_pretrained(tmp_path / "model")
+    ByT5Tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=3000), encoding="utf-8")
+    capsys.readouterr()
+    argv = ("--data", tmp_path / "corpus.txt", "--output-dir", tmp_path / "adapter", "--block-size", 32)
+    assert run_finetune(tmp_path / "model", *argv, "--lora", "--load-in-4bit", "--max-steps", 1) == 2
+    *progress, error = capsys.readouterr().err.strip().splitlines()
+    assert all("%|" in line or not line for line in progress)  # tokenizing and loading, then the refusal
+    assert error == (
+        "dualflow finetune: error: bitsandbytes' 4-bit kernel for this CPU (AVX512-BF16) needs out_features in "
+        "multiples of 32 and in_features in multiples of 64; 8 layers are not (model.layers.0.self_attn.q_proj: "
+        "32 -> 32): load this model without --load-in-4bit"
+    )
+    assert not (tmp_path / "adapter").exists()  # refused before the run wrote anything

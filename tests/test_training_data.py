@@ -2,6 +2,8 @@
 repositories, chat rows trained on the assistant's turns, streaming, and the one-line errors of bad data."""
 
 import json
+import re
+from pathlib import Path
 
 import datasets
 import pyarrow
@@ -13,6 +15,7 @@ from helpers import stdlib_text
 from tokenizers import Tokenizer, decoders, models
 from transformers import ByT5Tokenizer, PreTrainedTokenizerFast
 
+from dualflow.data_paths import is_hub_dataset_id
 from dualflow.errors import DualFlowUserError
 from dualflow.finetune import split_blocks
 from dualflow.training_data import IGNORE_INDEX, blocks_for_steps, load_data, pack_data
@@ -437,3 +440,14 @@ def test_bad_data_is_a_one_line_error_naming_the_file_row_and_field(tmp_path, ca
         pack_data(load_data(data, streaming=streaming, **options), tokenizer, BLOCK)
     assert str(error.value) == (message[streaming] if isinstance(message, dict) else message)
     assert capfd.readouterr().err == ""  # nothing but the one line: datasets logs nothing of its own
+
+
+def test_an_entry_that_reads_as_a_local_path_is_never_tried_on_the_hub(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for entry in ("data/corpus.parqet", "corpus.jsnol", "corpus.jsonl", str(tmp_path / "corpus")):
+        assert not is_hub_dataset_id(entry)
+        with pytest.raises(DualFlowUserError, match=f"^data file {re.escape(str(Path(entry)))} does not exist$"):
+            load_data(entry)
+    # Hub ids: a namespace that is no folder here, or a bare name
+    assert is_hub_dataset_id("nobody/nothing") and is_hub_dataset_id("wikitext") and is_hub_dataset_id("user/set.v2")
