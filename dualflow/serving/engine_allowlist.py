@@ -154,7 +154,11 @@ ENGINE_FIELDS = {
     "cache_config.skip_page_size_padded": Derived("the model's layers"),
     "cache_config.mamba_block_size": Derived("block_size (no mamba layers)"),
     "cache_config.mamba_cache_dtype": AtDefault("Dual-Flow has no mamba layers: start without it"),
-    "cache_config.mamba_ssm_cache_dtype": AtDefault("Dual-Flow has no mamba layers: start without it"),
+    "cache_config.mamba_ssm_cache_dtype": Tested(
+        ("auto", "float32"),
+        "vLLM's CPU platform sets float32 on CPUs with AVX512-BF16; Dual-Flow has no mamba layers, no state is stored",
+        "Dual-Flow has no mamba layers: start without it",
+    ),
     "cache_config.mamba_cache_mode": AtDefault("Dual-Flow has no mamba layers: start without it"),
     "cache_config.enable_mamba_shared_prefix_checkpoint": AtDefault("Dual-Flow has no mamba layers: start without it"),
     "cache_config.replayssm_buffer_len": AtDefault("Dual-Flow has no state-space layers: start without it"),

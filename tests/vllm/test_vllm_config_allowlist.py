@@ -7,6 +7,7 @@ import json
 import typing
 
 import pytest
+import torch
 from test_vllm_support_matrix import SetOnBuilt, engine_config, raised_by_the_model
 from vllm.config import VllmConfig, WeightTransferConfig
 from vllm_reference import ADAPTER_RANK, PREFIX_CACHING_AND_CHUNKED_PREFILL
@@ -95,6 +96,15 @@ TESTED_CONFIGURATIONS = {
 def test_the_tested_configurations_build(checkpoint, engine_args):
     built = engine_config(checkpoint, **engine_args)
     check_supported(built.model_config.hf_config, built)  # the built configuration too (vLLM filled the rest)
+
+
+def test_what_vllms_cpu_platform_sets_on_avx512_bf16_cpus_is_accepted(checkpoint, monkeypatch):
+    # vLLM's CPU platform asks torch for the CPU's AVX512-BF16 support (this CPU's own answer decides which path it
+    # takes): on such CPUs it stores mamba states in float32, for models without mamba layers too.
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    built = engine_config(checkpoint)
+    assert built.cache_config.mamba_ssm_cache_dtype == "float32"
+    check_supported(built.model_config.hf_config, built)
 
 
 def test_a_checkpoint_with_rounds_and_adapters_builds(adapter_checkpoint):
