@@ -146,7 +146,10 @@ def quantize_checkpoint(src, out, overwrite: bool = False) -> dict:
     check_output_folder(out, "quantize", replace=overwrite)
     with output_folder(out, "quantize", replace=overwrite) as folder:
         convert_checkpoint(src, folder.path, AttentionW4A8())
-        index = json.loads((folder.path / "model.safetensors.index.json").read_text())
+        index_path = folder.path / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        if not (src / index_path.name).is_file():  # compressed-tensors indexes a single file too: keep SRC's layout
+            index_path.unlink()
     quantised = [name for name in index["weight_map"] if name.endswith(".weight_scale")]
     return {
         "out": out,

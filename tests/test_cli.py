@@ -98,7 +98,24 @@ def test_quantize_without_compressed_tensors_is_one_line(tmp_path):
     assert completed.returncode == 2
     assert completed.stderr == (
         "dualflow quantize: error: it needs compressed-tensors (vLLM brings it), not installed: "
-        "pip install compressed-tensors\n"
+        "pip install 'compressed-tensors>=0.17,<0.19'\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantize_refuses_a_compressed_tensors_outside_its_range_before_any_work(tmp_path):
+    # `pip install compressed-tensors` gave 0.20.1, which died in the middle of the conversion: the installed version
+    # (here its metadata, first on the path) is checked first, before SRC, which does not exist.
+    site = tmp_path / "site" / "compressed_tensors-0.20.1.dist-info"
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text("Metadata-Version: 2.1\nName: compressed-tensors\nVersion: 0.20.1\n")
+    command = [sys.executable, "-m", "dualflow.cli", "quantize", str(tmp_path / "model"), str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site.parent), os.environ.get("PYTHONPATH")]))}
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 2
+    assert completed.stderr == (
+        "dualflow quantize: error: it works with compressed-tensors>=0.17,<0.19, not the installed 0.20.1: "
+        "pip install 'compressed-tensors>=0.17,<0.19'\n"
     )
     assert not (tmp_path / "out").exists()
 

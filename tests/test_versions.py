@@ -19,6 +19,8 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 import modeling_dualflow
+from dualflow.errors import DualFlowUserError
+from dualflow.quantize_cli import COMPRESSED_TENSORS, check_compressed_tensors
 
 
 if sys.version_info >= (3, 11):
@@ -60,6 +62,22 @@ def test_bootstrap_vllm_lists_the_dependencies_without_tomllib():
     declared = declared_dependencies()
     expected = {(canonicalize_name(r.name), r.specifier) for r in declared if r.name not in ("torch", "transformers")}
     assert listed == expected and ("peft", SpecifierSet(">=0.21,<0.22")) in listed
+
+
+def test_quantize_extra_is_the_compressed_tensors_range_quantize_checks():
+    # 0.17.0 is what vLLM pins and 0.18.0 writes the same checkpoint; 0.19 and 0.20.1 (the newest) fail mid-conversion.
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    [requirement] = map(Requirement, optional["quantize"])
+    assert requirement.name == "compressed-tensors" and requirement.specifier == SpecifierSet(COMPRESSED_TENSORS)
+    for installed in ("0.17.0", "0.17.1", "0.18.0"):
+        check_compressed_tensors(installed)
+    for installed in ("0.16.0", "0.19.0", "0.20.1"):
+        with pytest.raises(DualFlowUserError) as refused:
+            check_compressed_tensors(installed)
+        assert str(refused.value) == (
+            f"it works with compressed-tensors>=0.17,<0.19, not the installed {installed}: "
+            "pip install 'compressed-tensors>=0.17,<0.19'"
+        )
 
 
 def test_model_file_speaks_the_cache_name_of_the_installed_transformers():

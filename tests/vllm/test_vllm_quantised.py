@@ -4,6 +4,10 @@ tokens equal to transformers' on the dequantised weights, logprobs within QUANTI
 everything but the attention projections stored and served as it was."""
 
 import json
+import re
+import subprocess
+import sys
+from importlib.metadata import version
 
 import pytest
 import torch
@@ -13,6 +17,8 @@ from safetensors.torch import load_file
 from vllm_reference import assert_matches_transformers, load_reference, random_prompts, served_greedy
 
 from dualflow.cli import main
+from dualflow.quantize import quantize_checkpoint
+from dualflow.quantize_cli import check_compressed_tensors
 
 
 MAX_NEW = 8
@@ -91,3 +97,29 @@ def test_the_command_line_writes_it_and_refuses_what_it_cannot(
         assert capsys.readouterr().err == f"dualflow quantize: error: {message}\n"
     assert not (tmp_path / "twice").exists()
     assert main(["quantize", str(adapter_checkpoint), str(out), "--overwrite"]) == 0
+
+
+def test_the_command_keeps_the_source_layout_quietly_and_push_takes_it(adapter_checkpoint, tmp_path, capsys):
+    # compressed-tensors indexed a single file too (and push refused the pair), and logged each file it copied.
+    check_compressed_tensors(version("compressed-tensors"))  # the release vLLM installed is in the declared range
+    out = tmp_path / "w4a8"
+    command = [sys.executable, "-m", "dualflow.cli", "quantize", str(adapter_checkpoint), str(out)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    loguru_line = r"\| (TRACE|DEBUG|INFO|SUCCESS|WARNING|ERROR|CRITICAL) +\| "
+    assert not re.search(loguru_line, completed.stderr) and "compressed_tensors" not in completed.stderr
+    assert sorted(path.name for path in out.glob("model.safetensors*")) == ["model.safetensors"]
+    assert main(["push", str(out), "someone/tiny-w4a8", "--dry-run"]) == 0, capsys.readouterr().err
+    assert re.search(r"^ +[\d,]+  model\.safetensors$", capsys.readouterr().out, re.MULTILINE)
+    # A sharded source stays sharded: the index and exactly the shards it names, the same tensors as one file.
+    sharded = tmp_path / "sharded"
+    load_reference(adapter_checkpoint).save_pretrained(sharded, max_shard_size="500KB")
+    quantised = quantize_checkpoint(sharded, tmp_path / "sharded-w4a8")["out"]
+    weight_map = json.loads((quantised / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert len(shards) > 1 and sorted(path.name for path in quantised.glob("*.safetensors")) == shards
+    assert main(["push", str(quantised), "someone/tiny-w4a8", "--dry-run"]) == 0, capsys.readouterr().err
+    single = load_file(out / "model.safetensors")
+    tensors = {name: tensor for shard in shards for name, tensor in load_file(quantised / shard).items()}
+    assert weight_map.keys() == tensors.keys() == single.keys()
+    assert all(torch.equal(tensors[name], single[name]) for name in single)
