@@ -740,6 +740,24 @@ def test_the_advice_after_a_divergence_works_as_written(model_dir, tmp_path, cap
     assert not torch.equal(model.model.norm.weight, source.model.norm.weight)
 
 
+def test_a_run_from_a_trainer_checkpoint_saves_the_inference_settings(model_dir, tmp_path):
+    # A checkpoint's config holds the training settings (router logits on, Trainer's cache off); a run started from
+    # it, as the divergence advice says, saves a model with the inference ones, like a run from the model itself.
+    argv = small_run(tmp_path, "--max-steps", 1, "--save-steps", 1, "--eval-blocks", 0)
+    first, again = tmp_path / "first", tmp_path / "again"
+    assert run_finetune(model_dir, *argv, "--output-dir", first) == 0
+
+    def settings(folder: Path) -> dict:
+        config = json.loads((folder / "config.json").read_text())
+        return {name: config[name] for name in ("use_cache", "output_router_logits")}
+
+    assert settings(first / "checkpoint-1") == {"use_cache": False, "output_router_logits": True}
+    assert run_finetune(first / "checkpoint-1", *argv, "--output-dir", again) == 0
+    inference = {"use_cache": True, "output_router_logits": False}
+    assert settings(again) == settings(first) == settings(model_dir) == inference
+    assert json.loads((again / "generation_config.json").read_text())["use_cache"] is True
+
+
 def test_the_advice_after_a_full_disk_works_as_written(model_dir, tmp_path):
     # The free-space check passes (it cannot know Trainer's extra files before the first checkpoint); the third
     # checkpoint does not fit. Freeing what the message asks for, on the same disk, lets the same command finish.
