@@ -8,7 +8,7 @@ import torch
 from transformers.utils.hub import convert_file_size_to_int
 
 import modeling_dualflow
-from dualflow.checkpoint import TOKENIZER_PATTERNS
+from dualflow.checkpoint import TOKENIZER_PATTERNS, auto_map_code_files
 from dualflow.errors import DualFlowUserError
 from dualflow.model_card import license_of, write_model_card
 from dualflow.output_folder import check_output_folder, output_folder
@@ -90,13 +90,14 @@ def conversion_command(
     return shlex.join(words)
 
 
-def _copy_passthrough_files(src_dir: Path, out_dir: Path) -> list[str]:
+def _copy_passthrough_files(src_dir: Path, out_dir: Path, tokenizer_code: list[str]) -> list[str]:
+    """The tokenizer's files, and `tokenizer_code` (what its own auto_map names), copied unless OUT has one."""
+    paths = [path for pattern in TOKENIZER_PATTERNS for path in sorted(src_dir.glob(pattern))]
     copied = []
-    for pattern in TOKENIZER_PATTERNS:
-        for path in sorted(src_dir.glob(pattern)):
-            if path.is_file() and not (out_dir / path.name).exists():
-                shutil.copy2(path, out_dir / path.name)
-                copied.append(path.name)
+    for path in paths + [src_dir / name for name in tokenizer_code]:
+        if path.is_file() and not (out_dir / path.name).exists():
+            shutil.copy2(path, out_dir / path.name)
+            copied.append(path.name)
     return copied
 
 
@@ -185,6 +186,8 @@ def convert_checkpoint(
     if verify:
         _check_verifiable(source)
     targets = plan_targets(source, family_for(source.model_type), config, torch_dtype)
+    # A custom tokenizer's code (tokenizer_config.json's auto_map; config.json's is replaced by the model's own)
+    tokenizer_code = auto_map_code_files(src_dir, "tokenizer_config.json")
 
     with output_folder(out, "convert", replace=overwrite) as folder:
         out_dir = folder.path
@@ -193,7 +196,7 @@ def convert_checkpoint(
         code_dir = Path(modeling_dualflow.__file__).parent
         for name in modeling_dualflow.REMOTE_CODE_FILES:
             shutil.copy2(code_dir / name, out_dir / name)
-        copied = _copy_passthrough_files(src_dir, out_dir)
+        copied = _copy_passthrough_files(src_dir, out_dir, tokenizer_code)
         dequantize = source.quantization is not None
         parity = check_parity(src_dir, out_dir, torch_dtype, dequantize_source=dequantize) if verify else None
         if parity is not None and not parity["passed"]:

@@ -45,8 +45,9 @@ def resolve_source(src: str | Path, revision: str | None = None, token: str | No
         raise DualFlowUserError(f"source folder {src} does not exist")
     from huggingface_hub import snapshot_download
 
-    # model*.safetensors: transformers' own files only (Mistral repos also hold a consolidated.safetensors copy)
-    patterns = ["*.json", "model*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "README.md"]
+    # model*.safetensors: transformers' own files only (Mistral repos also hold a consolidated.safetensors copy); *.py:
+    # a custom tokenizer's code
+    patterns = ["*.json", "model*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py", "README.md"]
     try:
         folder = snapshot_download(str(src), revision=revision, token=token, allow_patterns=patterns)
         return Path(folder), str(src)

@@ -1,5 +1,6 @@
 """Opening a Dual-Flow checkpoint (folder or Hub id): config and tokenizer, with a one-line error for anything else."""
 
+import json
 from pathlib import Path
 
 from .errors import DualFlowUserError
@@ -123,6 +124,37 @@ TOKENIZER_PATTERNS = (
     "generation_config.json",
 )
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def auto_map_code_files(folder: Path, config_file: str) -> list[str]:
+    """
+    The code files that the `auto_map` of `folder`'s `config_file` (config.json, or a tokenizer's
+    tokenizer_config.json) names, as save_pretrained copies them (transformers' `custom_object_save`): the modules
+    ("modeling_dualflow.DualFlowForCausalLM" -> modeling_dualflow.py) and the files they import relatively,
+    recursively. None where the file or its `auto_map` is absent.
+    """
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    path = folder / config_file
+    if not path.is_file():
+        return []
+    try:
+        auto_map = json.loads(path.read_text()).get("auto_map") or {}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise DualFlowUserError(f"{path} is not a valid JSON object: {error}") from None
+    # A tokenizer's entry is a [slow, fast] pair, either may be null; "org/repo--module.Class" is another repo's code
+    references = [item for value in auto_map.values() for item in (value if isinstance(value, list) else [value])]
+    modules = {reference.split(".")[0] for reference in references if reference and "--" not in reference}
+    files = set()
+    for module in modules:
+        try:
+            imported = get_relative_import_files(folder / f"{module}.py")
+        except FileNotFoundError as error:
+            raise DualFlowUserError(
+                f"{folder} lacks {Path(error.filename).name}, which the code that {config_file}'s auto_map names needs"
+            ) from None
+        files |= {f"{module}.py", *(Path(path).name for path in imported)}
+    return sorted(files)
 
 
 def has_tokenizer(model_path) -> bool:

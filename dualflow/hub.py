@@ -15,7 +15,7 @@ import tempfile
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from .checkpoint import TOKENIZER_PATTERNS, WEIGHT_FILES, is_hub_repo_id
+from .checkpoint import TOKENIZER_PATTERNS, WEIGHT_FILES, auto_map_code_files, is_hub_repo_id
 from .errors import DualFlowUserError
 
 
@@ -108,27 +108,8 @@ def model_weight_files(folder: Path) -> list[str]:
 
 
 def remote_code_files(folder: Path) -> list[str]:
-    """
-    The code files the model loads with, as save_pretrained copies them (transformers' `custom_object_save`): the
-    modules config.json's `auto_map` names ("modeling_dualflow.DualFlowForCausalLM" -> modeling_dualflow.py) and the
-    files they import relatively, recursively.
-    """
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    auto_map = json.loads((folder / "config.json").read_text())["auto_map"]
-    # A tokenizer's entry is a [slow, fast] pair, either may be null; "org/repo--module.Class" is another repo's code
-    references = [item for value in auto_map.values() for item in (value if isinstance(value, list) else [value])]
-    modules = {reference.split(".")[0] for reference in references if reference and "--" not in reference}
-    files = set()
-    for module in modules:
-        try:
-            imported = get_relative_import_files(folder / f"{module}.py")
-        except FileNotFoundError as error:
-            raise DualFlowUserError(
-                f"{folder} lacks {Path(error.filename).name}, which the model's code (config.json auto_map) needs"
-            ) from None
-        files |= {f"{module}.py", *(Path(path).name for path in imported)}
-    return sorted(files)
+    """The code files the model and its tokenizer load with: those config.json's and tokenizer_config.json's auto_map name."""
+    return sorted({*auto_map_code_files(folder, "config.json"), *auto_map_code_files(folder, "tokenizer_config.json")})
 
 
 def split_folder(folder, kind: str) -> tuple[list[str], dict[str, str]]:

@@ -24,10 +24,20 @@ from helpers import (
 )
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoTokenizer,
+    ByT5Tokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from dualflow.convert import SUPPORTED_MODEL_TYPES, convert_checkpoint
 from dualflow.convert.verify import check_parity
+from dualflow.hub import split_folder
 from dualflow.output_folder import UNFINISHED_MARKER, output_folder
 from modeling_dualflow import DualFlowForCausalLM
 
@@ -97,6 +107,43 @@ def test_converted_layout_and_config(tmp_path):
     assert 'from_pretrained("out", trust_remote_code=True)' in card
     assert str(tmp_path) not in card  # a card is published with the model: no local path
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]  # no temporary leftovers
+
+
+def test_the_code_of_a_custom_tokenizer_is_copied_and_pushed(tmp_path):
+    # A tokenizer whose tokenizer_config.json auto_map names its own module, which imports another relatively.
+    src = save_source(make_source("qwen3"), tmp_path / "src", "single")
+    ByT5Tokenizer().save_pretrained(src)
+    (src / "toy_shift.py").write_text("SHIFT = 1\n")
+    (src / "tokenization_toy.py").write_text(
+        textwrap.dedent(
+            """
+            from transformers import ByT5Tokenizer
+
+            from .toy_shift import SHIFT
+
+
+            class ToyTokenizer(ByT5Tokenizer):
+                def _convert_token_to_id(self, token):
+                    return super()._convert_token_to_id(token) + SHIFT
+            """
+        )
+    )
+    (src / "train.py").write_text("print('not the tokenizer')\n")
+    tokenizer_config = json.loads((src / "tokenizer_config.json").read_text())
+    tokenizer_config |= {
+        "tokenizer_class": "ToyTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_toy.ToyTokenizer", None]},
+    }
+    (src / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    out = tmp_path / "out"
+    summary = convert_checkpoint(src, out, show_progress=False)
+    assert {"tokenization_toy.py", "toy_shift.py"} <= set(summary["copied_files"])
+    assert not (out / "train.py").exists()
+    tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    assert type(tokenizer).__name__ == "ToyTokenizer" and type(tokenizer).__module__.startswith("transformers_modules")
+    assert tokenizer("a").input_ids == [ord("a") + 3 + 1, 1]  # ByT5's byte id, shifted, then </s>
+    published, _ = split_folder(out, "model")  # what `dualflow push` uploads
+    assert {"tokenization_toy.py", "toy_shift.py", "tokenizer_config.json"} <= set(published)
 
 
 def test_hub_cache_folder_names_the_base_model(tmp_path):
