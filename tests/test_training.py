@@ -721,7 +721,8 @@ def test_an_interrupted_run_that_saves_no_checkpoint_says_so(model_dir, tmp_path
 
 def test_the_advice_after_a_divergence_works_as_written(model_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    argv = small_run(tmp_path, "--lr", 1e6, "--max-steps", 50, "--save-steps", 1, "--eval-blocks", 0)
+    # A learning rate that diverges after a checkpoint or two (1e6 now diverges at step 2: no earlier checkpoint).
+    argv = small_run(tmp_path, "--lr", 30, "--max-steps", 50, "--save-steps", 1, "--eval-blocks", 0)
     assert run_finetune(model_dir, *argv, "--output-dir", out) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     advice = error.split("; to go on, ")[1]
