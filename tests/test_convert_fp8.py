@@ -120,7 +120,9 @@ def test_fp8_source_with_partial_blocks_converts_to_the_dequantized_model(family
         model, expected_logits, aux_logits = assert_parity(reference, out)
         with torch.no_grad():  # exact in fp32: the same weights, the same computation
             assert torch.equal(model(PROMPT, use_aux_flow=False).logits, expected_logits), layout
-        assert torch.equal(aux_logits, expected_logits), layout
+        # The aux flow's rows run stacked under the primary ones (twice the rows per matmul, which can change the
+        # kernel's summation order): equal up to float32 rounding.
+        torch.testing.assert_close(aux_logits, expected_logits, rtol=0, atol=1e-6, msg=layout)
 
 
 def test_fp8_source_to_bfloat16(tmp_path):
