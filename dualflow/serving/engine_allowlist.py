@@ -266,7 +266,9 @@ ENGINE_FIELDS = {
     "scheduler_config.scheduler_reserve_full_isl": Inert(SCHEDULING),
     "scheduler_config.watermark": Inert("admission control"),
     "scheduler_config.prefill_schedule_interval": Inert(SCHEDULING),
-    "scheduler_config.async_scheduling": Tested((None, False), "every engine test (the CPU build schedules in step)"),
+    "scheduler_config.async_scheduling": Tested(
+        (None, False, True), "every engine test in step; asynchronously on the V2 runner (test_vllm_v2_runner.py)"
+    ),
     "scheduler_config.stream_interval": Inert("how often outputs are streamed"),
     # device_config, load_config, offload_config
     "device_config": Derived("the platform"),

@@ -166,11 +166,12 @@ def check_supported(config, vllm_config) -> None:
             f"Dual-Flow in vLLM does not serve hf_overrides of {overridden}: the overrides run with this model are "
             f"{', '.join(sorted(HF_OVERRIDES_TESTED))}; change other fields by converting the checkpoint"
         )
-    # vLLM 0.33 picks its model runner V2 on a GPU where Triton is present; its capture and fast-prefill code differ.
-    if getattr(vllm_config, "use_v2_model_runner", False):
+    # GPU engines schedule asynchronously by default (vLLM resolves None to True after this hook); it has run with this
+    # model on vLLM's model runner V2, the GPU default, only.
+    if vllm_config.scheduler_config.async_scheduling and not vllm_config.use_v2_model_runner:
         raise ValueError(
-            "Dual-Flow in vLLM has not run on vLLM's model runner V2 (the GPU default where Triton is present): "
-            "start with VLLM_USE_V2_MODEL_RUNNER=0"
+            "Dual-Flow in vLLM schedules asynchronously on vLLM's model runner V2 only (tested there): start with "
+            "--no-async-scheduling (async_scheduling=False) or on V2"
         )
     # Everything else in the engine configuration: vLLM's default, a tested value, inert or derived (fail closed).
     refused = refusal(vllm_config)

@@ -53,6 +53,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, m
 from vllm.sequence import IntermediateTensors
 
 from . import vllm_internals
+from .engine_config import check_supported
 from .kv_transfer import moves_kv_this_step
 
 
@@ -661,6 +662,9 @@ class DualFlowForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
+        # The engine hook checked the configuration before vLLM resolved its defaults (asynchronous scheduling, graph
+        # modes, what the platform sets): check the one the model runs with too.
+        check_supported(config, vllm_config)
         self.config = config
         self.model = DualFlowModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.every_row_model = None

@@ -25,6 +25,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
+# VLLM_USE_V2_MODEL_RUNNER=1: the tests run on vLLM's model runner V2, the GPU default since vLLM 0.33 and the only
+# runner from 0.34 on. V2 prepares inputs and samples with Triton kernels, which Triton's interpreter runs on CPU tensors;
+# vLLM's CPU build takes Triton as present only with a "cpu" backend registered (v2_on_cpu.py).
+if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
+    from v2_on_cpu import run_v2_kernels_on_cpu
+
+    run_v2_kernels_on_cpu()
+else:  # what runs on V2 only
+    collect_ignore_glob = [*globals().get("collect_ignore_glob", []), "test_vllm_v2_runner.py"]
+
+
 import pytest  # noqa: E402
 
 

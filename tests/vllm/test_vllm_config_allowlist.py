@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_vllm_support_matrix import SetOnBuilt, engine_config, raised_by_the_model
 from vllm.config import VllmConfig, WeightTransferConfig
-from vllm_reference import ADAPTER_RANK, PREFIX_CACHING_AND_CHUNKED_PREFILL
+from vllm_reference import ADAPTER_RANK, PREFIX_CACHING_AND_CHUNKED_PREFILL, start_engine
 
 from dualflow.serving import engine_allowlist
 from dualflow.serving.engine_allowlist import ENGINE_FIELDS, classification
@@ -248,3 +248,24 @@ def test_a_served_engines_configuration_passes(engines, checkpoint):
     # vLLM fills more fields once the engine has started (the KV cache layout, the compiled layers): derived ones
     vllm_config = engines.get(checkpoint, **PREFIX_CACHING_AND_CHUNKED_PREFILL).llm_engine.vllm_config
     assert engine_allowlist.refusal(vllm_config) is None
+
+
+def test_what_vllm_settles_after_the_hook_is_checked_when_the_model_is_built(checkpoint, engines, monkeypatch):
+    # On a GPU vLLM resolves asynchronous scheduling to True after the model's hook has checked the configuration;
+    # here the CPU platform's settling sets it, as a GPU's would, on the V1 runner, where it has never run.
+    from vllm.platforms.cpu import CpuPlatform
+
+    settle = CpuPlatform.check_and_update_config.__func__
+
+    def settle_as_a_gpu(cls, vllm_config):
+        settle(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(settle_as_a_gpu))
+    engines.close()  # one CPU engine in this process at a time (conftest.py)
+    with pytest.raises(ValueError) as refused:
+        start_engine(checkpoint)
+    assert str(refused.value) == (
+        "Dual-Flow in vLLM schedules asynchronously on vLLM's model runner V2 only (tested there): start with "
+        "--no-async-scheduling (async_scheduling=False) or on V2"
+    )

@@ -1,6 +1,8 @@
 """vLLM serves a converted, aux-perturbed Dual-Flow checkpoint with transformers' greedy tokens and log-probabilities
 (aux flow on, k_a = 4 != k_p = 2), with prefix caching and chunked prefill on."""
 
+import os
+
 import pytest
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
@@ -43,6 +45,18 @@ def test_engine_uses_fast_prefill_for_the_aux_flow(engine):
     assert config.model_config.architecture == "DualFlowForCausalLM"
     assert config.cache_config.kv_sharing_fast_prefill
     assert config.cache_config.enable_prefix_caching and config.scheduler_config.enable_chunked_prefill
+
+
+def model_runner_module(worker) -> str:
+    return type(worker.model_runner).__module__
+
+
+def test_engine_runs_on_the_model_runner_asked_for(engine):
+    # VLLM_USE_V2_MODEL_RUNNER=1 (conftest.py): V2's CPU runner, a subclass of its GPU runner; else V1's CPU runner
+    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
+    assert engine.llm_engine.vllm_config.use_v2_model_runner is v2
+    expected = "vllm.v1.worker.cpu.model_runner" if v2 else "vllm.v1.worker.cpu_model_runner"
+    assert engine.collective_rpc(model_runner_module) == [expected]
 
 
 def test_offline_prompt_logprobs_are_refused_before_the_engine_and_it_serves_on(engine, reference):

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from vllm import envs
 from vllm.config.vllm import OPTIMIZATION_LEVEL_TO_CONFIG
 from vllm.engine.arg_utils import EngineArgs
 from vllm_reference import ENGINE_ARGS
@@ -40,14 +39,6 @@ class SetOnBuilt:
     section: str
     field: str
     value: object
-
-
-@dataclass(frozen=True)
-class WithEnvironment:
-    """An environment variable set before the model's check runs on a built configuration."""
-
-    name: str
-    value: str
 
 
 NIXL_CONSUMER = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
@@ -162,9 +153,6 @@ REFUSED = {
             "speculative_config.method='ngram_gpu': only n-gram speculation has run with this model",
         )
     ],
-    "vLLM's model runner V2 (`vllm/v1/worker/gpu/`; the GPU default in vLLM 0.33 where Triton is present)": [
-        (WithEnvironment("VLLM_USE_V2_MODEL_RUNNER", "1"), "has not run on vLLM's model runner V2")
-    ],
     "Any other field of vLLM's engine configuration away from vLLM's default (`optimization_level`, "
     "`attention_config`, `kernel_config.moe_backend`, sleep mode, multi-node, ...)": [
         ({"optimization_level": 3}, r"optimization_level=<OptimizationLevel.O3: 3> \(vLLM's default"),
@@ -172,6 +160,12 @@ REFUSED = {
             SetOnBuilt("model_config", "enable_sleep_mode", True),
             r"model_config.enable_sleep_mode=True \(vLLM's default: False\)",
         ),
+    ],
+    "Asynchronous scheduling on the V1 runner": [
+        (
+            SetOnBuilt("scheduler_config", "async_scheduling", True),
+            "schedules asynchronously on vLLM's model runner V2 only",
+        )
     ],
 }
 
@@ -212,12 +206,6 @@ def raised_by_the_model(error: ValueError) -> ValueError:
     return error
 
 
-def set_vllm_environment(monkeypatch, name: str, value: str) -> None:
-    monkeypatch.setenv(name, value)
-    # an engine started earlier in this process froze vLLM's environment reads (`envs.enable_envs_cache`)
-    envs.disable_envs_cache()
-
-
 @pytest.fixture(scope="module")
 def built(checkpoint):
     return engine_config(checkpoint)
@@ -255,10 +243,7 @@ def test_the_matrix_and_the_allowlist_agree_both_ways():
 )
 def test_each_refused_option_is_refused_in_one_line(case, message, checkpoint, built, monkeypatch):
     with pytest.raises(ValueError) as refused:
-        if isinstance(case, WithEnvironment):
-            set_vllm_environment(monkeypatch, case.name, case.value)
-            check_supported(built.model_config.hf_config, built)
-        elif isinstance(case, SetOnBuilt):
+        if isinstance(case, SetOnBuilt):
             monkeypatch.setattr(getattr(built, case.section), case.field, case.value)
             check_supported(built.model_config.hf_config, built)
         else:
@@ -266,17 +251,6 @@ def test_each_refused_option_is_refused_in_one_line(case, message, checkpoint, b
     error = str(raised_by_the_model(refused.value))
     assert error.startswith("Dual-Flow in vLLM") and "\n" not in error
     assert re.search(message, error), error
-
-
-def test_the_v2_runner_refusal_advice_works_as_printed(built, monkeypatch):
-    """The refusal of vLLM's V2 runner names an environment setting; set as printed, the same engine passes."""
-    set_vllm_environment(monkeypatch, "VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError) as refused:
-        check_supported(built.model_config.hf_config, built)
-    name, value = re.search(r"start with (VLLM_\w+)=(\w+)", str(refused.value)).groups()
-    set_vllm_environment(monkeypatch, name, value)
-    assert built.use_v2_model_runner is False
-    check_supported(built.model_config.hf_config, built)
 
 
 def test_turned_off_passes_stay_off_where_vllms_defaults_switch_them_on(checkpoint, built, monkeypatch):

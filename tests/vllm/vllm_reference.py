@@ -1,6 +1,7 @@
 """A converted Dual-Flow checkpoint whose aux flow really differs from its primary flow, and transformers references."""
 
 import gc
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
+from v2_on_cpu import V2_ENGINE_ARGS
 
 from dualflow.convert import convert_checkpoint
 from modeling_dualflow import DualFlowForCausalLM
@@ -72,6 +74,7 @@ ENGINE_ARGS = dict(
     block_size=32,
     seed=0,
     compilation_config=TRACED_WITH_EAGER_KERNELS,
+    **(V2_ENGINE_ARGS if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else {}),
 )
 PREFIX_CACHING_AND_CHUNKED_PREFILL = dict(enable_prefix_caching=True, enable_chunked_prefill=True)
 
