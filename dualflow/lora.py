@@ -20,9 +20,11 @@ MLP_PROJECTIONS = ["gate_proj", "up_proj", "down_proj"]
 # Routed experts are stored fused as parameters, which `target_modules` cannot reach (PEFT's "all-linear"
 # reaches them for Qwen3-MoE only, through a table of transformers' model types).
 FUSED_EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-# gate_up_proj holds two projections: twice the rank and alpha (one rank-r LoRA each), as PEFT does for
-# Qwen3-MoE.
-FUSED_TWO_PROJECTIONS = r".*\.gate_up_proj"
+# gate_up_proj holds two projections: twice the rank and alpha (one rank-r LoRA each), as PEFT does for Qwen3-MoE.
+# PEFT checks rank and alpha pattern keys against the modules it adapted, not the parameters, so a key naming
+# gate_up_proj would be reported as ignored (though applied) on every load: the config's r and lora_alpha are
+# gate_up_proj's, and this key, which every other target's name matches, gives the others r and alpha.
+NOT_GATE_UP_PROJ = r"(?!.*gate_up_proj$).*"
 # The aux flow's own modules; those a config does not build (round gates, adapters) match nothing: PEFT skips them.
 AUX_MODULES = [
     "aux_embed_tokens",
@@ -49,18 +51,25 @@ def dualflow_lora_config(
     """
     experts = config.num_experts and (target_modules is None or "experts" in target_modules)
     return LoraConfig(
-        r=r,
-        lora_alpha=lora_alpha,
+        r=2 * r if experts else r,
+        lora_alpha=2 * lora_alpha if experts else lora_alpha,
         lora_dropout=lora_dropout,
         target_modules=ATTENTION_PROJECTIONS + MLP_PROJECTIONS
         if target_modules is None
         else [name for name in target_modules if name != "experts"],
         target_parameters=FUSED_EXPERT_PARAMETERS + ["mlp.gate.weight"] if experts else None,
-        rank_pattern={FUSED_TWO_PROJECTIONS: 2 * r} if experts else {},
-        alpha_pattern={FUSED_TWO_PROJECTIONS: 2 * lora_alpha} if experts else {},
+        rank_pattern={NOT_GATE_UP_PROJ: r} if experts else {},
+        alpha_pattern={NOT_GATE_UP_PROJ: lora_alpha} if experts else {},
         modules_to_save=AUX_MODULES if train_aux_modules else None,
         task_type="CAUSAL_LM",
     )
+
+
+def projection_rank(adapter_config: dict) -> tuple[int, int]:
+    """The rank and alpha per projection of an adapter config (PEFT's dict): those given to `dualflow_lora_config`."""
+    r, lora_alpha = adapter_config["r"], adapter_config["lora_alpha"]
+    rank_pattern, alpha_pattern = adapter_config["rank_pattern"] or {}, adapter_config["alpha_pattern"] or {}
+    return rank_pattern.get(NOT_GATE_UP_PROJ, r), alpha_pattern.get(NOT_GATE_UP_PROJ, lora_alpha)
 
 
 def qlora_quantization_config(compute_dtype: torch.dtype = torch.float32) -> BitsAndBytesConfig:
@@ -89,8 +98,8 @@ def add_lora(model, r: int = 16, lora_alpha: int = 32, train_aux_modules: bool =
         # deprecated: PEFT's to change, not the user's
         for name in ("is_gradient_checkpointing", "gradient_checkpointing_enable"):
             warnings.filterwarnings("ignore", message=f"`{name}` is deprecated", category=FutureWarning)
-        # PEFT checks rank and alpha patterns against modules only, but they apply to the experts' parameters
-        # (PEFT warns so for Qwen3-MoE's own "all-linear" too)
+        # PEFT checks rank and alpha patterns against modules only: with the experts as the only targets, the
+        # pattern for their down_proj and the router matches no module, though it applies to them
         warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match")
         if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
             checkpointing = {"use_reentrant": False}

@@ -84,8 +84,10 @@ def write_adapter_card(out_dir, config, base_model: str, repo_id: str, extra: st
     to load and merge it, and `extra` (how it was trained). Reads r and alpha from the folder's adapter_config.json.
     Names `base_model` and `repo_id` by `card_name`.
     """
+    from .lora import projection_rank  # PEFT and torch: only for a LoRA run's card
+
     out_dir = Path(out_dir)
-    adapter_config = json.loads((out_dir / "adapter_config.json").read_text())
+    lora_r, lora_alpha = projection_rank(json.loads((out_dir / "adapter_config.json").read_text()))
     card_data = ModelCardData(
         library_name="peft",
         pipeline_tag="text-generation",
@@ -100,8 +102,8 @@ def write_adapter_card(out_dir, config, base_model: str, repo_id: str, extra: st
         model_name=card_name(repo_id).split("/")[-1],
         repo_id=card_name(repo_id),
         base_model=card_name(base_model),
-        lora_r=adapter_config["r"],
-        lora_alpha=adapter_config["lora_alpha"],
+        lora_r=lora_r,
+        lora_alpha=lora_alpha,
         num_experts=config.num_experts,
         extra=extra,
     )

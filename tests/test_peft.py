@@ -6,6 +6,7 @@ Qwen3-MoE's.
 
 import copy
 import sys
+import warnings
 
 import bitsandbytes.functional
 import pytest
@@ -138,6 +139,31 @@ def test_qlora_trains_on_a_4bit_base_and_the_saved_adapter_gives_the_same_tokens
     assert torch.equal(reloaded.generate(prompt, **greedy), tokens)
 
 
+def test_a_saved_qlora_adapter_loads_without_pattern_warnings_and_with_twice_the_rank_on_gate_up_proj(tmp_path):
+    """
+    PEFT checks rank and alpha pattern keys against the modules it adapted only: a key naming the gate_up_proj
+    parameter was reported as ignored on every load, though applied.
+    """
+    byte_model(**PACKABLE).save_pretrained(tmp_path / "base")
+    load_in_4bit = lambda: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        tmp_path / "base", quantization_config=qlora_quantization_config()
+    )
+    add_lora(load_in_4bit(), r=4, lora_alpha=8).save_pretrained(tmp_path / "adapter")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reloaded = PeftModel.from_pretrained(load_in_4bit(), tmp_path / "adapter")
+    assert not [warning for warning in caught if "_pattern keys" in str(warning.message)]
+
+    ranks = {}  # (parameter or module name, rank, scaling) of every LoRA in layer 0
+    for name, module in reloaded.get_base_model().model.layers[0].named_modules():
+        if isinstance(module, LoraLayer):
+            target = module.parameter_name if isinstance(module, ParamWrapper) else name.split(".")[-1]
+            ranks[target] = (module.r["default"], module.scaling["default"])
+    assert ranks.pop("gate_up_proj") == (8, 2.0)  # two projections, one rank-4 LoRA each
+    assert ranks.keys() >= {"q_proj", "o_proj", "down_proj", "weight"}  # attention, experts' down_proj, router
+    assert set(ranks.values()) == {(4, 2.0)}
+
+
 def test_the_lora_recipe_adapts_what_all_linear_adapts_in_qwen3_moe_but_the_router(tmp_path):
     """
     PEFT's "all-linear" reaches Qwen3-MoE's fused experts and router through its table of transformers' model
@@ -191,6 +217,7 @@ def test_finetune_load_in_4bit_saves_the_adapter_it_trained(tmp_path, capsys):
     assert after.strip() == ", ".join(f"{name} {value:.4f}" for name, value in nll.items())
     experts = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
     assert set(reloaded.peft_config["default"].target_parameters) == experts | {"mlp.gate.weight"}
+    assert "rank-4 adapters (alpha 32)" in (tmp_path / "adapter" / "README.md").read_text()  # as asked, per projection
 
 
 @pytest.mark.parametrize(

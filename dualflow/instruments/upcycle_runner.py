@@ -14,6 +14,7 @@ from modeling_dualflow import DualFlowForCausalLM
 
 from ..convert import convert_checkpoint
 from ..errors import DualFlowUserError
+from ..lora import projection_rank
 from ..scoring import mean_token_nll, mean_token_nlls
 from .tiny_lm import TinyScale, tiny_moe_config, train_language_model, train_model
 from .upcycle_models import save_as_qwen3_moe, trainable_model
@@ -96,7 +97,7 @@ def continue_recipe(
         "steps": steps,
         "trainable_params": model.num_parameters(only_trainable=True),
         "learning_rate": recipe_scale.learning_rate,
-        **({"lora_rank": model.peft_config["default"].r} if recipe.train == "lora" else {}),
+        **({"lora_rank": projection_rank(model.peft_config["default"].to_dict())[0]} if recipe.train == "lora" else {}),
         # CPU seconds too: on a shared machine the wall clock also counts other processes' turns.
         "tokens_per_s": tokens / train_s,
         "tokens_per_cpu_s": tokens / cpu_s,
