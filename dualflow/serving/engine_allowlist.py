@@ -348,7 +348,9 @@ ENGINE_FIELDS = {
     "compilation_config.cudagraph_decoder_replay": AtDefault(),
     "compilation_config.decoder_replay_cudagraph_capture_sizes": AtDefault(),
     "compilation_config.decoder_replay_trim_threshold": AtDefault(),
-    "compilation_config.compile_sizes": AtDefault(),
+    "compilation_config.compile_sizes": Tested(
+        (None, []), "vLLM's default, resolved to [] under VLLM_COMPILE (test_vllm_cudagraph_dispatch.py)"
+    ),
     "compilation_config.compile_ranges_endpoints": Derived("max_num_batched_tokens and the passes"),
     "compilation_config.inductor_compile_config": Derived("mode and the platform"),
     "compilation_config.inductor_passes": AtDefault(),

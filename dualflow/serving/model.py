@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import SiluAndMul
@@ -700,7 +700,10 @@ class DualFlowForCausalLM(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        capturing: bool = False,
     ) -> torch.Tensor:
+        # `capturing`: vLLM's model runner V2 is capturing graphs (DualFlowModelState); its capture steps carry real
+        # attention metadata, so `attn_metadata is None` (the V1 runner's dummy runs) does not say so there.
         if not self.config.use_aux_flow:
             return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
         num_tokens = input_ids.shape[0]
@@ -708,16 +711,37 @@ class DualFlowForCausalLM(nn.Module):
         # A step whose KV connector loads or saves takes the two-call path: vLLM's connector hooks wrap each layer's
         # own attention call, and the every-row piece writes the primary K/V without one.
         if sampled is None and self.every_row_model is not None and not moves_kv_this_step():
-            if get_forward_context().attn_metadata is None:
-                # A dummy run (warm-up, profiling, graph capture): compile, warm (capture) the other two pieces as
-                # well, with as many rows sampled as a step samples at most.
-                self.primary_then_aux_rows(input_ids, positions, self.dummy_rows(num_tokens, positions.device))
+            context = get_forward_context()
+            if context.attn_metadata is None or (
+                capturing and context.cudagraph_runtime_mode == CUDAGraphMode.PIECEWISE
+            ):
+                self.warm_other_pieces(input_ids, positions)
             return self.every_row_model(input_ids, positions, intermediate_tensors, inputs_embeds)
         if sampled is None and get_forward_context().attn_metadata is None:
             sampled = self.dummy_rows(num_tokens, positions.device), None
         if sampled is None:
             sampled = torch.arange(num_tokens, device=positions.device), num_tokens
         return self.primary_then_aux_rows(input_ids, positions, *sampled)
+
+    def warm_other_pieces(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """
+        A dummy run (warm-up, profiling, the V1 runner's graph capture: no attention metadata) or V2's piecewise
+        capture of a step of T tokens: compile, warm (capture) the primary piece at T and the aux rows piece with as
+        many rows sampled as a step samples at most, so that serving replays what was captured here. V2 captures with
+        attention metadata for all T rows: the aux rows piece runs there only where it can run on all T, since its
+        attention reads metadata for the rows it gets (T beyond the most rows a step samples: no step runs it so).
+        """
+        rows = self.dummy_rows(input_ids.shape[0], positions.device)
+        if get_forward_context().attn_metadata is None or rows.shape[0] == input_ids.shape[0]:
+            self.primary_then_aux_rows(input_ids, positions, rows)
+        else:
+            self.model(input_ids, positions, aux_rows=self.aux_row_inputs.select(rows))
+
+    def get_model_state_cls(self):
+        """The inputs vLLM's model runner V2 (only it asks) gives the model: its own, and `capturing` at capture."""
+        from .model_state import DualFlowModelState
+
+        return DualFlowModelState
 
     def dummy_rows(self, num_tokens: int, device: torch.device) -> torch.Tensor:
         """The rows a dummy run samples: its first tokens, no more than a real step samples."""
