@@ -3,6 +3,7 @@
 import math
 
 from huggingface_hub.dataclasses import strict
+from transformers import Qwen3MoeConfig
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import RopeParameters
@@ -75,19 +76,13 @@ class DualFlowConfig(PreTrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values", "cache"]  # "cache" from transformers 5.24 on
     default_theta = 10000.0
 
-    base_model_tp_plan = {
-        "layers.*.self_attn.q_proj": "colwise",
-        "layers.*.self_attn.k_proj": "colwise",
-        "layers.*.self_attn.v_proj": "colwise",
-        "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
-        "layers.*.self_attn.o_proj": "rowwise",
+    # Qwen3-MoE's plan of the installed transformers, whose module names these are: up to 5.24 it splits each
+    # expert's weights over the ranks, from 5.25 on it keeps the experts whole (expert parallelism splits
+    # them).
+    base_model_tp_plan = Qwen3MoeConfig.base_model_tp_plan | {
         # the aux adapters split as the projections they adapt: each rank adds the delta of its own heads
-        "layers.*.self_attn.aux_q_adapter": "colwise",
-        "layers.*.self_attn.aux_o_adapter": "rowwise",
-        "layers.*.mlp.gate_proj": "colwise",
-        "layers.*.mlp.up_proj": "colwise",
-        "layers.*.mlp.down_proj": "rowwise",
+        "layers.*.self_attn.aux_q_adapter": Qwen3MoeConfig.base_model_tp_plan["layers.*.self_attn.q_proj"],
+        "layers.*.self_attn.aux_o_adapter": Qwen3MoeConfig.base_model_tp_plan["layers.*.self_attn.o_proj"],
     }
     # `qk_norm="full"` (OLMoE) normalises the whole q / k projection, which a head-sharded projection cannot
     # do: those models gather the projections' output instead, as transformers' OLMoE plan does.

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_model
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-from modeling_dualflow import DualFlowForCausalLM
+from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM
 from modeling_dualflow.modeling_dualflow import CACHE_FIELD
 
 
@@ -232,9 +233,17 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
         assert (logits_without(adapters, sharded_adapter, input_ids, attention_mask) - adapted).abs().max() > 1e-3
     for case in TP_CASES:
         cases.append(dict(case, path=str(tmp_path / case["checkpoint"])))
+    # Qwen3-MoE with the experts of the "moe" checkpoint: how this transformers shards them under its TP plan
+    moe = DualFlowConfig.from_pretrained(tmp_path / "moe")
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    sizes += ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    qwen3_moe = Qwen3MoeConfig(**{name: getattr(moe, name) for name in sizes}, decoder_sparse_step=1)
+    Qwen3MoeForCausalLM(qwen3_moe).save_pretrained(tmp_path / "qwen3_moe")
+    cases.append(dict(name="qwen3_moe_tp", path=str(tmp_path / "qwen3_moe"), parallel="tp", qwen3_moe=True))
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     torchrun(SCRIPTS / "tp_logits.py", tmp_path / "cases.json", tmp_path / "result.json", tmp_dir=tmp_path)
     results = json.loads((tmp_path / "result.json").read_text())
+    qwen3_moe_experts = results.pop("qwen3_moe_tp")["expert_shapes"]
 
     assert results.keys() == {case["name"] for case in TP_CASES}
     for name, result in results.items():
@@ -252,8 +261,17 @@ def test_tensor_and_expert_parallel_match_single_process(tmp_path):
         elif name.endswith("_tp") or name == "moe_tp_remote_code":  # the aux flow's own weights replicated under TP
             assert result["sharded_aux_parameters"] == [], name
     assert results["moe_tp_remote_code"]["module"].startswith("transformers_modules")
-    assert results["moe_tp"]["local_experts"] == 4  # TP keeps every expert on each rank, as Qwen3-MoE's plan does
-    assert results["moe_ep"]["local_experts"] == results["moe_ep_eager_experts"]["local_experts"] == 2  # EP: 2 of 4
+    # What each rank holds of the last layer's 4 experts (hidden 32, expert width 24). TP: as Qwen3-MoE's plan of the
+    # installed transformers, which splits every expert's width over the ranks up to 5.24 and keeps them whole from
+    # 5.25 on. EP: 2 whole experts a rank.
+    whole = {"gate_up_proj": [4, 48, 32], "down_proj": [4, 32, 24]}
+    split = {"gate_up_proj": [4, 24, 32], "down_proj": [4, 32, 12]}
+    splits_experts = "layers.*.mlp.experts.gate_up_proj" in Qwen3MoeConfig.base_model_tp_plan
+    assert qwen3_moe_experts == [split if splits_experts else whole] * 2
+    assert results["moe_tp"]["expert_shapes"] == results["moe_tp_remote_code"]["expert_shapes"] == qwen3_moe_experts
+    ep = [{"gate_up_proj": [2, 48, 32], "down_proj": [2, 32, 24]}] * 2
+    assert results["moe_ep"]["expert_shapes"] == results["moe_ep_eager_experts"]["expert_shapes"] == ep
+    assert results["dense_tp"]["expert_shapes"] == [None, None]
     # training through the sharded adapters: every gradient as on one process
     gradients = results["adapters_tp"]["gradient_max_diffs"]
     assert set(ADAPTER_NAMES) <= gradients.keys()

@@ -11,7 +11,8 @@ Every rank loads each checkpoint twice: unsharded, and with `DistributedConfig` 
 `tp_size=2, ep_size=2`), through the package's class or the remote-code class saved next to the weights. Rank 0
 writes, per case, the largest logit differences, whether greedy generations agree, what each rank holds locally,
 the parameters whose gathered values differ from the checkpoint's, and (with "gradients") the largest difference of
-each parameter's gradient of the training loss.
+each parameter's gradient of the training loss. A case with "qwen3_moe": true loads a saved Qwen3-MoE model sharded
+only and gets its ranks' expert shapes alone, the reference for a Dual-Flow model's.
 """
 
 import json
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
+from transformers import Qwen3MoeForCausalLM
 from transformers.distributed import DistributedConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
@@ -37,8 +39,19 @@ def model_class(path, remote: bool):
     return DualFlowForCausalLM
 
 
-def local_rows(parameter) -> int:
-    return (parameter.to_local() if isinstance(parameter, DTensor) else parameter).shape[0]
+def expert_shapes(model) -> list[dict[str, list[int]] | None]:
+    """Per rank, the shapes of the last layer's expert weights as that rank holds them (None: a dense layer)."""
+    experts = getattr(model.model.layers[-1].mlp, "experts", None)
+    local = None
+    if experts is not None:
+        local = {name: list(local_tensor(getattr(experts, name)).shape) for name in ("gate_up_proj", "down_proj")}
+    shapes = [None] * dist.get_world_size()
+    dist.all_gather_object(shapes, local)
+    return shapes
+
+
+def local_tensor(parameter) -> torch.Tensor:
+    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -88,16 +101,21 @@ def recorded_warnings():
     messages.extend(str(warning.message) for warning in caught)
 
 
+def parallel_config(case: dict) -> DistributedConfig:
+    if case["parallel"] == "tp":
+        return DistributedConfig(tp_plan="auto")
+    return DistributedConfig(tp_size=2, ep_size=2)
+
+
 def compare(case: dict) -> dict:
+    if case.get("qwen3_moe"):
+        sharded = Qwen3MoeForCausalLM.from_pretrained(case["path"], distributed_config=parallel_config(case))
+        return {"expert_shapes": expert_shapes(sharded)}
     cls = model_class(case["path"], case["remote"])
     extra = {"experts_implementation": case["experts_implementation"]} if case.get("experts_implementation") else {}
-    if case["parallel"] == "tp":
-        parallel = DistributedConfig(tp_plan="auto")
-    else:
-        parallel = DistributedConfig(tp_size=2, ep_size=2)
     reference = cls.from_pretrained(case["path"], **extra).eval()
     with recorded_warnings() as sharding_warnings:
-        sharded = cls.from_pretrained(case["path"], distributed_config=parallel, **extra).eval()
+        sharded = cls.from_pretrained(case["path"], distributed_config=parallel_config(case), **extra).eval()
 
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(1, reference.config.vocab_size, (2, 9), generator=generator)
@@ -121,9 +139,9 @@ def compare(case: dict) -> dict:
         "logits_max_diff": (expected.logits - actual.logits).abs().max().item(),
         "primary_logits_max_diff": (expected.primary_logits - actual.primary_logits).abs().max().item(),
         "same_greedy_tokens": same_tokens,
-        "local_q_proj_rows": local_rows(layer.self_attn.q_proj.weight),
+        "local_q_proj_rows": local_tensor(layer.self_attn.q_proj.weight).shape[0],
         "full_q_proj_rows": layer.self_attn.q_proj.weight.shape[0],
-        "local_experts": local_rows(layer.mlp.experts.gate_up_proj) if hasattr(layer.mlp, "experts") else None,
+        "expert_shapes": expert_shapes(sharded),
         "sharded_aux_parameters": [
             name for name, param in sharded.named_parameters() if name in aux_names and isinstance(param, DTensor)
         ],
