@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,20 @@ import modeling_dualflow  # noqa: F401  (registers the dualflow model type with 
 
 from .aux_training import freeze_for_aux_training
 from .checkpoint import WEIGHT_FILES, load_dualflow_config, load_dualflow_model, load_tokenizer
+from .deepspeed_runs import (
+    FollowerFolder,
+    check_checkpoint_fits_run,
+    check_deepspeed_run,
+    deepspeed_checkpoint_bytes,
+    deepspeed_checkpoint_complete,
+    deepspeed_config,
+    from_main_process,
+    is_deepspeed_checkpoint,
+    is_main_process,
+    start_processes,
+    world_size,
+    zero_stage,
+)
 from .errors import DualFlowInterrupted, DualFlowUserError
 from .lora import add_lora, qlora_quantization_config
 from .model_card import license_of, write_adapter_card, write_model_card
@@ -225,11 +239,16 @@ def _step(checkpoint: Path) -> int:
 
 
 def complete_checkpoints(folder: Path) -> list[Path]:
-    """Trainer's checkpoints in `folder` that were saved in full (Trainer writes trainer_state.json last), by step."""
+    """
+    Trainer's checkpoints in `folder` that were saved in full (Trainer writes trainer_state.json last; a DeepSpeed
+    checkpoint also needs its `latest` file and the global_step folder it names), by step.
+    """
     found = [
         path
         for path in folder.glob("checkpoint-*")
-        if path.name.removeprefix("checkpoint-").isdigit() and (path / "trainer_state.json").is_file()
+        if path.name.removeprefix("checkpoint-").isdigit()
+        and (path / "trainer_state.json").is_file()
+        and (not is_deepspeed_checkpoint(path) or deepspeed_checkpoint_complete(path))
     ]
     return sorted(found, key=_step)
 
@@ -317,11 +336,12 @@ def checkpoints_kept_on_failure(folder: OutputFolder, run: RunState):
         raise
 
 
-def _checkpoint_to_resume(folder: OutputFolder, resume) -> Path | None:
+def _checkpoint_to_resume(folder: OutputFolder, resume, deepspeed: bool = False) -> Path | None:
     """
     The checkpoint to go on from: `--resume-from-checkpoint`'s, else the last complete one of the unfinished run in
     OUT (transformers' examples resume the same way). Checkpoints of two runs never share a folder: a checkpoint from
-    elsewhere only starts a run in an empty OUT.
+    elsewhere only starts a run in an empty OUT. A DeepSpeed checkpoint goes on only under `deepspeed` with as many
+    processes, and another checkpoint only without.
     """
     found = complete_checkpoints(folder.path) if folder.resumed else []
     if resume is not None:
@@ -329,23 +349,34 @@ def _checkpoint_to_resume(folder: OutputFolder, resume) -> Path | None:
     if resume is None:
         if found:
             print(f"resuming the unfinished run in {folder.shown} from its last checkpoint, {found[-1].name}")
+            check_checkpoint_fits_run(found[-1], deepspeed)
             return found[-1]
         if folder.resumed:
             print(f"{folder.shown} holds an unfinished run with no complete checkpoint: starting over")
         return None
     resume = Path(resume)
-    if not (resume / "trainer_state.json").is_file() or not any(
-        (resume / name).is_file() for name in (*WEIGHT_FILES, "adapter_model.safetensors")
+    if (
+        not (resume / "trainer_state.json").is_file()
+        or not any((resume / name).is_file() for name in (*WEIGHT_FILES, "adapter_model.safetensors"))
+        or (is_deepspeed_checkpoint(resume) and not deepspeed_checkpoint_complete(resume))
     ):
         raise DualFlowUserError(
             f"--resume-from-checkpoint {resume} is not a complete Trainer checkpoint folder (trainer_state.json and "
             "the weights)"
         )
+    check_checkpoint_fits_run(resume, deepspeed)
     if found and Path(os.path.realpath(resume)).parent != folder.path:
         raise DualFlowUserError(
             f"{folder.shown} holds another unfinished run (last checkpoint {found[-1].name}): resuming from {resume} "
             "there would mix the checkpoints of two runs; choose another --output-dir"
         )
+    return resume
+
+
+def _resume_and_clean(folder: OutputFolder, resume, deepspeed: bool) -> Path | None:
+    """The checkpoint to resume (`_checkpoint_to_resume`), once what an unfinished run left half written is removed."""
+    resume = _checkpoint_to_resume(folder, resume, deepspeed)
+    _remove_leftovers(folder)
     return resume
 
 
@@ -364,10 +395,21 @@ def _remove_leftovers(folder: OutputFolder) -> None:
 
 
 def _saved_bytes(model, lora: bool) -> tuple[int, int]:
-    """Bytes of the saved weights and of one checkpoint (the weights and Adam's two moments of the trainable ones)."""
+    """
+    Bytes of the saved weights and of one checkpoint (the weights and Adam's two moments of the trainable ones; under
+    DeepSpeed, `deepspeed_checkpoint_bytes`). Under ZeRO-3 each parameter holds only its partition: counted whole.
+    """
+    from transformers.integrations.deepspeed import deepspeed_config as trainer_deepspeed_config
+
     parameters = list(model.parameters())
-    trainable = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
-    weights = trainable if lora else sum(p.numel() * p.element_size() for p in parameters)
+    numel = {id(p): getattr(p, "ds_numel", p.numel()) for p in parameters}
+    trainable = sum(numel[id(p)] * p.element_size() for p in parameters if p.requires_grad)
+    module = sum(numel[id(p)] * p.element_size() for p in parameters)
+    weights = trainable if lora else module
+    config = trainer_deepspeed_config()  # the running Trainer's DeepSpeed config, None without DeepSpeed
+    if config is not None:
+        trainable_float32 = 4 * sum(numel[id(p)] for p in parameters if p.requires_grad)
+        return weights, deepspeed_checkpoint_bytes(weights, module, trainable_float32, zero_stage(config))
     return weights, weights + 2 * trainable
 
 
@@ -474,16 +516,24 @@ def finetune(
     if lora and not 0 <= lora_dropout < 1:
         raise DualFlowUserError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
     resume = training_arguments.pop("resume_from_checkpoint", None)
+    deepspeed = training_arguments.get("deepspeed")
+    if deepspeed:
+        check_deepspeed_run(deepspeed_config(deepspeed), lora, load_in_4bit)
+    if world_size() > 1:  # launched processes agree on OUT before any work (their process group)
+        start_processes(training_arguments, output_dir)
     sources = load_data(data_path, text_field, data_split, data_config, streaming)
     config = load_dualflow_config(model_path)
     tokenizer = load_tokenizer(model_path)
     block_size = min(block_size, config.max_position_embeddings)
     # OUT is made and locked at once: an output that cannot be written fails before tokenizing and training.
-    with output_folder(output_dir, "finetune", resume=True, keep=complete_checkpoints) as folder:
+    # With several processes the main one owns OUT (lock, marker, cleanup); the others write their checkpoint parts.
+    owned = output_folder(output_dir, "finetune", resume=True, keep=complete_checkpoints)
+    if not is_main_process():
+        owned = nullcontext(FollowerFolder(Path(os.path.realpath(output_dir)), Path(output_dir)))
+    with owned as folder:
         run = RunState(lora=lora, saves_checkpoints=training_arguments.get("save_strategy", "steps") != "no")
         with checkpoints_kept_on_failure(folder, run):
-            resume = _checkpoint_to_resume(folder, resume)
-            _remove_leftovers(folder)
+            resume = from_main_process(lambda: _resume_and_clean(folder, resume, bool(deepspeed)))
             input_ids, labels = pack_data(
                 sources, tokenizer, block_size, _blocks_needed(streaming, eval_fraction, training_arguments), True
             )
@@ -548,7 +598,9 @@ def finetune(
                 trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
             if divergence.diverged_at is not None:
                 raise TrainingDiverged(divergence.diverged_at)
-            if not all(parameter.isfinite().all() for parameter in model.parameters()):
+            # Under DeepSpeed the weights gathered from every process (the main one gets them; ZeRO-3 holds partitions)
+            weights = trainer.accelerator.get_state_dict(trainer.deepspeed) if trainer.deepspeed is not None else None
+            if not all(parameter.isfinite().all() for parameter in (weights or {}).values() or model.parameters()):
                 raise TrainingDiverged(trainer.state.global_step, weights=True)
             if len(measured):
                 # Measured as "before" was, in float32: training left `--bf16`'s autocast wrapped around the forward.
@@ -562,7 +614,9 @@ def finetune(
 
             for name, value in INFERENCE_SETTINGS.items():
                 setattr(model.config, name, value)
-            model.save_pretrained(folder.path)
+            if not is_main_process():
+                return FinetuneResult(output_dir, before, after, trainable)
+            model.save_pretrained(folder.path, state_dict=weights)
             mode = "LoRA" if lora else "aux-only" if aux_only else "full"
             training = f"Fine-tuned ({mode}) with `dualflow finetune` on {data_name or 'local text data'}"
             if before is not None:

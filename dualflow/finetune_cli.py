@@ -5,14 +5,17 @@ own parser, which is imported only to run.
 """
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
+import io
 import os
 import sys
 from importlib import metadata
 from pathlib import Path
 
 from .data_paths import check_local_data
+from .deepspeed_runs import is_main_process
 from .errors import DualFlowUserError
 from .quantisation_libraries import import_bitsandbytes
 
@@ -218,5 +221,8 @@ def run(args: argparse.Namespace) -> int:
     # `dualflow finetune .` names the output after the model folder, not after "."
     model_name = Path(model).resolve().name if Path(model).is_dir() else Path(model).name
     output_dir = options.pop("output_dir") or f"{model_name}-{suffix}"
-    finetune(model, options.pop("data"), output_dir, **options, **training)
+    # Launched as several processes (torchrun, DeepSpeed), the main one alone speaks; errors still go to stderr.
+    quiet = contextlib.redirect_stdout(io.StringIO()) if not is_main_process() else contextlib.nullcontext()
+    with quiet:
+        finetune(model, options.pop("data"), output_dir, **options, **training)
     return 0

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import byte_model, stdlib_blocks
+from helpers import byte_model, run_finetune, stdlib_blocks, stdlib_text
 from safetensors.torch import load_file
-from transformers import Trainer, TrainingArguments, default_data_collator
+from transformers import ByT5Tokenizer, Trainer, TrainingArguments, default_data_collator
 
 from dualflow.finetune import as_examples
 from modeling_dualflow import DualFlowForCausalLM
@@ -127,3 +127,171 @@ def test_plain_trainer_under_deepspeed_matches_one_process_and_saves_a_model_fol
         actual = loaded(blocks[:2])
     torch.testing.assert_close(actual.logits, expected["logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(actual.primary_logits, expected["primary_logits"], rtol=0, atol=1e-5)
+
+
+def finetune_phases(tmp_path: Path, phases: list[dict], shim: bool = True) -> tuple[list[dict], str]:
+    """Run the phases of tests/distributed/finetune_deepspeed.py; each process's results (rank 0's first) and stdout."""
+    (tmp_path / "phases.json").write_text(json.dumps(phases, default=str))
+    flags = [] if shim else ["--no-shim"]
+    completed = torchrun(
+        SCRIPTS / "finetune_deepspeed.py", tmp_path / "phases.json", tmp_path / "result.json", *flags, tmp_dir=tmp_path
+    )
+    results = [json.loads((tmp_path / f"result-rank-{rank}.json").read_text()) for rank in (0, 1)]
+    return results, completed.stdout
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
+
+
+@pytest.mark.multiprocess
+def test_finetune_cli_under_zero3_saves_resumes_and_counts_deepspeed_checkpoints(tmp_path):
+    model_dir = tmp_path / "tiny-dualflow"
+    byte_model(aux_num_experts_per_tok=3).save_pretrained(model_dir)
+    ByT5Tokenizer().save_pretrained(model_dir)
+    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=6000))
+    (tmp_path / "zero3.json").write_text(json.dumps(ZERO_CONFIGS["zero3"]))
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    common = [model_dir, "--data", tmp_path / "corpus.txt", "--deepspeed", tmp_path / "zero3.json"]
+    common += ["--block-size", 32, "--batch-size", 2, "--save-steps", 2, "--lr", 3e-3, "--disable-tqdm", "true"]
+    # a constant learning rate: the run stopped after 2 of 4 steps then has the straight run's schedule
+    common += ["--lr-scheduler-type", "constant"]
+    phases = [
+        {"argv": [*common, "--max-steps", 4, "--output-dir", straight]},
+        {"argv": [*common, "--max-steps", 2, "--output-dir", stopped]},
+        # stopped after checkpoint-2, with a checkpoint-3 whose DeepSpeed part is missing: the same command with
+        # --max-steps 4 goes on from checkpoint-2
+        {
+            "unfinish": stopped,
+            "incomplete": [stopped / "checkpoint-2", stopped / "checkpoint-3"],
+            "argv": [*common, "--max-steps", 4, "--output-dir", stopped],
+        },
+    ]
+    phases = [dict(phase, argv=list(map(str, phase["argv"]))) for phase in phases]
+    results, stdout = finetune_phases(tmp_path, phases)
+    assert [[phase["status"] for phase in result] for result in results] == [[0, 0, 0]] * 2
+
+    # only rank 0 spoke (once per run) and wrote the folder: the marker gone, no DeepSpeed files beside the model
+    assert stdout.count("trainable parameters:") == 3
+    assert f"resuming the unfinished run in {stopped} from its last checkpoint, checkpoint-2" in stdout
+    for out in (straight, stopped):
+        names = sorted(path.name for path in out.iterdir())
+        assert "dualflow-unfinished.json" not in names and "latest" not in names, names
+        assert [name for name in names if name.startswith("checkpoint-")] == ["checkpoint-2", "checkpoint-4"]
+        state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+        assert state["global_step"] == 4
+    # the resumed run went on from checkpoint-2's weights and optimizer: the straight run's result
+    resumed, direct = (load_file(out / "model.safetensors") for out in (stopped, straight))
+    source = DualFlowForCausalLM.from_pretrained(model_dir).state_dict()
+    for name in AUX_NAMES:
+        assert not torch.equal(direct[name], source[name]), name  # the aux modules trained
+    for name, tensor in direct.items():
+        torch.testing.assert_close(resumed[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    # the result loads, and its inference settings are saved
+    model = DualFlowForCausalLM.from_pretrained(straight)
+    assert model.config.use_cache and not model.config.output_router_logits
+
+    # the free-space check counted DeepSpeed's checkpoints: the final weights and two checkpoints, each its weights
+    # and DeepSpeed's global_step folder (the optimizer partitions: 3 float32 copies of the weights; the estimate
+    # leaves out each process's few KB of module states), at most its other files (tokenizer, code) more
+    checkpoint = straight / "checkpoint-4"
+    weights = (straight / "model.safetensors").stat().st_size
+    deepspeed_part = folder_bytes(checkpoint / "global_step4")
+    asked = results[0][0]["asked_bytes"]
+    written = weights + 2 * ((checkpoint / "model.safetensors").stat().st_size + deepspeed_part)
+    assert 0.95 * written <= asked <= weights + 2 * folder_bytes(checkpoint)
+    # what the estimate without DeepSpeed (the weights and Adam's 2 moments: 3 x the weights a checkpoint) missed
+    assert 0.95 * written > weights + 2 * 3 * weights
+
+
+@pytest.mark.multiprocess
+def test_finetune_cli_refuses_deepspeed_that_counts_one_process_of_two(tmp_path):
+    # Without the test's shim, accelerate on a CPU runs DeepSpeed as one process per rank, each the "only" one.
+    model_dir = tmp_path / "tiny-dualflow"
+    byte_model().save_pretrained(model_dir)
+    ByT5Tokenizer().save_pretrained(model_dir)
+    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=3000))
+    (tmp_path / "zero2.json").write_text(json.dumps(ZERO_CONFIGS["zero2"]))
+    argv = [model_dir, "--data", tmp_path / "corpus.txt", "--deepspeed", tmp_path / "zero2.json"]
+    argv += ["--max-steps", 1, "--output-dir", tmp_path / "out"]
+    phases = [{"argv": list(map(str, argv))}]
+    (tmp_path / "phases.json").write_text(json.dumps(phases))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    command += [str(SCRIPTS / "finetune_deepspeed.py"), str(tmp_path / "phases.json"), str(tmp_path / "result.json")]
+    env = dict(SUBPROCESS_ENV, TMPDIR=str(tmp_path))
+    completed = subprocess.run([*command, "--no-shim"], env=env, capture_output=True, text=True, timeout=300)
+    results = [json.loads((tmp_path / f"result-rank-{rank}.json").read_text()) for rank in (0, 1)]
+    assert [result[0]["status"] for result in results] == [2, 2], completed.stderr[-3000:]
+    assert (
+        completed.stderr.count(
+            "dualflow finetune: error: --deepspeed: the launcher started 2 processes but accelerate counts 1"
+        )
+        == 2
+    )
+    assert not (tmp_path / "out").exists()  # refused before the output folder was made
+
+
+def launched_as_one_process(monkeypatch):
+    """The environment torchrun --nproc_per_node 1 gives its process."""
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29511")
+
+
+@pytest.mark.parametrize(
+    "config, flags, launched, message",
+    [
+        (
+            ZERO_CONFIGS["zero2"],
+            [],
+            False,
+            "--deepspeed needs a launcher: torchrun --nproc_per_node N, accelerate launch",
+        ),
+        (ZERO_CONFIGS["zero3"], ["--lora"], True, "--lora under ZeRO-3 is not supported"),
+        (ZERO_CONFIGS["zero2"], ["--lora", "--load-in-4bit"], True, "--load-in-4bit cannot train under DeepSpeed"),
+        ({"zero_optimization": {"stage": 3}}, [], True, '"stage3_gather_16bit_weights_on_model_save": true'),
+        (None, [], True, "no such file"),
+    ],
+    ids=["no-launcher", "lora-zero3", "4bit", "zero3-no-gather", "missing-config"],
+)
+def test_deepspeed_runs_finetune_cannot_finish_are_one_line_errors(
+    tmp_path, capsys, monkeypatch, config, flags, launched, message
+):
+    if launched:
+        launched_as_one_process(monkeypatch)
+    for name in () if launched else ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    model_dir = tmp_path / "tiny-dualflow"
+    byte_model().save_pretrained(model_dir)
+    ByT5Tokenizer().save_pretrained(model_dir)
+    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=3000))
+    if config is not None:
+        (tmp_path / "ds.json").write_text(json.dumps(config))
+    argv = [model_dir, "--data", tmp_path / "corpus.txt", "--deepspeed", tmp_path / "ds.json", *flags]
+    capsys.readouterr()
+    assert run_finetune(*argv, "--output-dir", tmp_path / "out") == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith("dualflow finetune: error: ") and message in error, error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_without_deepspeed_is_not_resumed_under_deepspeed(tmp_path, capsys, monkeypatch):
+    model_dir = tmp_path / "tiny-dualflow"
+    byte_model().save_pretrained(model_dir)
+    ByT5Tokenizer().save_pretrained(model_dir)
+    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=3000))
+    argv = [model_dir, "--data", tmp_path / "corpus.txt", "--block-size", 32, "--batch-size", 4]
+    argv += ["--max-steps", 1, "--save-steps", 1, "--disable-tqdm", "true", "--eval-blocks", 0]
+    assert run_finetune(*argv, "--output-dir", tmp_path / "plain") == 0
+    checkpoint = tmp_path / "plain" / "checkpoint-1"
+    launched_as_one_process(monkeypatch)
+    (tmp_path / "zero2.json").write_text(json.dumps(ZERO_CONFIGS["zero2"]))
+    capsys.readouterr()
+    deepspeed = ["--deepspeed", tmp_path / "zero2.json", "--resume-from-checkpoint", checkpoint]
+    assert run_finetune(*argv, *deepspeed, "--output-dir", tmp_path / "out") == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        f"dualflow finetune: error: {checkpoint} was saved without DeepSpeed (no global_step folder): a --deepspeed "
+        "run cannot resume its optimizer; start a new run from it as the model"
+    )
+    assert not (tmp_path / "out").exists()
