@@ -1,6 +1,7 @@
 """Opening a Dual-Flow checkpoint (folder or Hub id): config and tokenizer, with a one-line error for anything else."""
 
 import json
+import os
 from pathlib import Path
 
 from .errors import DualFlowUserError
@@ -89,12 +90,17 @@ def load_dualflow_config(model_path):
 
 def load_dualflow_model(model_path, **kwargs):
     """
-    `AutoModelForCausalLM.from_pretrained(model_path, **kwargs)`; a DualFlowUserError when the weights do not load (a
-    truncated or damaged file, a missing one).
+    `AutoModelForCausalLM.from_pretrained(model_path, **kwargs)`, the weights read in this thread; a DualFlowUserError
+    when the weights do not load (a truncated or damaged file, a missing one).
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    # transformers reads the weights on worker threads. A Ctrl-C can stop this thread just after it took a lock of a
+    # worker's result (`with` is not interrupt-safe): the worker then waits for it forever, and so does the process's
+    # exit, which joins the workers. HF_DEACTIVATE_ASYNC_LOAD keeps the reading in this thread.
+    previous = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
+    os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"
     try:
         return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except (OSError, SafetensorError) as error:
@@ -108,6 +114,11 @@ def load_dualflow_model(model_path, **kwargs):
             f"the weights in {model_path} do not match its config.json: tensor shapes differ from the config's sizes "
             "(vocab_size, hidden_size, ...; transformers' load report above names them)"
         ) from None
+    finally:
+        if previous is None:
+            del os.environ["HF_DEACTIVATE_ASYNC_LOAD"]
+        else:
+            os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = previous
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")

@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, ByT5Tokenizer, TrainingArguments
 
 from dualflow.aux_training import freeze_for_aux_training
+from dualflow.checkpoint import load_dualflow_model
 from dualflow.finetune import complete_checkpoints, finetune, make_trainer, split_blocks
 from dualflow.output_folder import UNFINISHED_MARKER
 
@@ -717,6 +719,47 @@ def test_an_interrupted_run_that_saves_no_checkpoint_says_so(model_dir, tmp_path
         "--save-steps N to keep one every N steps"
     )
     assert not out.exists()
+
+
+def test_the_weights_load_in_the_main_thread(tmp_path):
+    """
+    transformers reads the weights on worker threads; a Ctrl-C can leave the main thread holding a lock of a worker's
+    result, and the process then never exits (it joins its workers): the package reads them in the main thread.
+    """
+    byte_model().save_pretrained(tmp_path / "model", max_shard_size="20KB")
+    ran = set()
+    threading.settrace(lambda frame, event, arg: ran.add(threading.current_thread().name))
+    try:
+        model = load_dualflow_model(tmp_path / "model")
+    finally:
+        threading.settrace(None)
+    assert ran == set() and len(list((tmp_path / "model").glob("*.safetensors"))) > 1
+    assert torch.equal(model.model.embed_tokens.weight, byte_model().model.embed_tokens.weight)  # loaded in full
+
+
+def test_ctrl_c_while_the_model_loads_ends_the_run_at_once(tmp_path):
+    model = tmp_path / "model"
+    byte_model(num_hidden_layers=16).save_pretrained(model, max_shard_size="4KB")  # a hundred shards: a longer load
+    ByT5Tokenizer().save_pretrained(model)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "dualflow.cli", "finetune", model, *small_run(tmp_path, "--output-dir", out)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the progress bar as it is drawn
+    process = signallable_process(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        progress = b""
+        while b"Loading weights" not in progress:  # transformers' progress bar: the weights are being read
+            assert process.poll() is None, process.communicate()
+            progress += os.read(process.stderr.fileno(), 4096)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    except BaseException:
+        process.kill()
+        process.communicate()
+        raise
+    assert process.returncode == 130 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == "dualflow finetune: interrupted"  # no checkpoint yet: nothing to say
+    assert "trainable parameters" not in stdout  # stopped while loading
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["corpus.txt", "model"]  # OUT, made at the start, gone
 
 
 def test_the_advice_after_a_divergence_works_as_written(model_dir, tmp_path, capsys):
