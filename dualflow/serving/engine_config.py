@@ -173,6 +173,17 @@ def check_supported(config, vllm_config) -> None:
             "Dual-Flow in vLLM schedules asynchronously on vLLM's model runner V2 only (tested there): start with "
             "--no-async-scheduling (async_scheduling=False) or on V2"
         )
+    # On V2 the requests whose refused KV was recomputed did not give transformers' tokens (test_vllm_v2_runner.py).
+    kv_transfer = vllm_config.kv_transfer_config
+    if (
+        kv_transfer is not None
+        and kv_transfer.kv_load_failure_policy == "recompute"
+        and vllm_config.use_v2_model_runner
+    ):
+        raise ValueError(
+            "Dual-Flow in vLLM recomputes a refused KV load on the V1 runner only (on V2 the recomputed requests did "
+            "not give transformers' tokens): start with kv_load_failure_policy='fail'"
+        )
     # Everything else in the engine configuration: vLLM's default, a tested value, inert or derived (fail closed).
     refused = refusal(vllm_config)
     if refused:

@@ -13,6 +13,7 @@ import pytest
 from test_vllm_cudagraph_dispatch import CAPTURE_SIZES, MAX_SAMPLED_ROWS, PIECES, simulated_graphs
 from test_vllm_cudagraph_dispatch import PIECEWISE as DISPATCH_PIECEWISE
 from test_vllm_cudagraph_dispatch import PROMPTS as DISPATCH_PROMPTS
+from test_vllm_support_matrix import engine_config, raised_by_the_model
 from vllm.platforms.cpu import CpuPlatform
 from vllm_reference import (
     PREFIX_CACHING_AND_CHUNKED_PREFILL,
@@ -105,3 +106,17 @@ def test_v2_captures_every_piece_at_startup_and_serving_only_replays(checkpoint,
     assert wrapper.moved_inputs == []  # each replay's inputs at the captured addresses (a graph reads those)
     assert {tag for tag, _, _, _ in serving_calls} == set(PIECES)  # mixed steps and pure decode were served
     assert_matches_transformers(outputs, DISPATCH_PROMPTS, load_reference(checkpoint), MAX_NEW)
+
+
+def test_recomputing_a_refused_kv_load_is_refused_in_one_line(checkpoint, tmp_path):
+    # On V2, requests whose KV failed to load and were recomputed gave other tokens than transformers' (the consumer
+    # tests of test_vllm_kv_transfer.py with kv_load_failure_policy "recompute"); "fail" passes them.
+    connector = {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}
+    connector["kv_connector_extra_config"] = {"shared_storage_path": str(tmp_path)}
+    with pytest.raises(ValueError) as refused:
+        engine_config(checkpoint, kv_transfer_config={**connector, "kv_load_failure_policy": "recompute"})
+    assert str(raised_by_the_model(refused.value)) == (
+        "Dual-Flow in vLLM recomputes a refused KV load on the V1 runner only (on V2 the recomputed requests did not "
+        "give transformers' tokens): start with kv_load_failure_policy='fail'"
+    )
+    engine_config(checkpoint, kv_transfer_config={**connector, "kv_load_failure_policy": "fail"})
