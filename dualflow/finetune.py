@@ -103,12 +103,47 @@ LONGEST_SAVE_INTERVAL = 500
 INFERENCE_SETTINGS = {"output_router_logits": False, "use_cache": True}
 
 
-def planned_steps(num_blocks: int, arguments: dict) -> int:
-    """The optimizer steps a run over `num_blocks` training blocks makes on one process (Trainer's count)."""
-    if arguments.get("max_steps", -1) > 0:
-        return arguments["max_steps"]
-    batches = math.ceil(num_blocks / arguments["per_device_train_batch_size"])
-    return math.ceil(batches / arguments.get("gradient_accumulation_steps", 1) * arguments["num_train_epochs"])
+@dataclass(frozen=True)
+class StepPlan:
+    """
+    A run's steps, derived once from its training arguments: `total` optimizer steps on one process (Trainer's count),
+    a checkpoint every `save_interval` steps (with save_strategy "steps"; `save_steps` None: every tenth of the run,
+    at most every LONGEST_SAVE_INTERVAL steps), at most `saves_kept` at once (None: all).
+    """
+
+    total: int
+    save_strategy: str
+    save_interval: int
+    saves_kept: int | None
+    num_train_epochs: float
+
+    @classmethod
+    def of(cls, num_blocks: int, arguments: dict) -> "StepPlan":
+        """The plan of a run over `num_blocks` training blocks; `arguments`: TrainingArguments fields over TRAINER_DEFAULTS."""
+        arguments = {**TRAINER_DEFAULTS, **arguments}
+        if arguments.get("max_steps", -1) > 0:
+            total = arguments["max_steps"]
+        else:
+            batches = math.ceil(num_blocks / arguments["per_device_train_batch_size"])
+            total = math.ceil(batches / arguments.get("gradient_accumulation_steps", 1) * arguments["num_train_epochs"])
+        save_steps = arguments["save_steps"]
+        if save_steps is None:
+            interval = min(LONGEST_SAVE_INTERVAL, math.ceil(total / 10))
+        else:  # Trainer takes a number below 1 as a fraction of the run
+            interval = math.ceil(total * save_steps) if save_steps < 1 else int(save_steps)
+        return cls(
+            total, arguments["save_strategy"], interval, arguments["save_total_limit"], arguments["num_train_epochs"]
+        )
+
+    def saves_to_go(self, start: int, kept: int) -> int:
+        """The checkpoints a run resumed at step `start`, with `kept` complete checkpoints, has at once at most."""
+        if self.save_strategy == "steps":
+            saves = self.total // self.save_interval - start // self.save_interval
+        else:  # "epoch" or "best": at most one a epoch
+            saves = 0 if self.save_strategy == "no" else math.ceil(self.num_train_epochs)
+        if self.saves_kept is not None:
+            saves = min(saves, max(0, self.saves_kept + 1 - kept))
+        return saves
 
 
 def make_trainer(
@@ -118,12 +153,14 @@ def make_trainer(
     output_dir,
     batch_size: int | None = None,
     tokenizer=None,
+    plan: StepPlan | None = None,
     **training_arguments,
 ) -> Trainer:
     """
     A plain `transformers.Trainer` over packed blocks. `training_arguments` are `TrainingArguments` fields, on top of
     TRAINER_DEFAULTS; `batch_size` sets the train and eval batch per device. `tokenizer` is saved into every
     checkpoint (as Trainer saves its `processing_class`), so that a checkpoint is a model folder to fine-tune from.
+    `plan`: the run's StepPlan, where the caller has it (the default checkpoint interval comes from it).
     """
     arguments = dict(TRAINER_DEFAULTS)
     if batch_size is not None:
@@ -134,9 +171,7 @@ def make_trainer(
         # its checkpoints then hold the weights alone, and a stopped run starts again from them.
         arguments["save_only_model"] = True
     if arguments["save_steps"] is None:
-        arguments["save_steps"] = min(
-            LONGEST_SAVE_INTERVAL, math.ceil(planned_steps(len(train_blocks), arguments) / 10)
-        )
+        arguments["save_steps"] = (plan or StepPlan.of(len(train_blocks), arguments)).save_interval
     if not torch.cuda.is_available():
         arguments["dataloader_pin_memory"] = False  # nothing to pin for without a GPU (torch warns on every batch)
         if arguments.get("bf16"):
@@ -413,27 +448,64 @@ def _saved_bytes(model, lora: bool) -> tuple[int, int]:
     return weights, weights + 2 * trainable
 
 
-def _bytes_to_write(model, lora: bool, trainer: Trainer, num_blocks: int, folder: OutputFolder) -> int:
+def _bytes_to_write(model, lora: bool, plan: StepPlan, folder: OutputFolder) -> int:
     """
     Disk a run writes at most from its last complete checkpoint on: the final weights and the checkpoints OUT holds
     at once (with `save_total_limit` L, Trainer saves a checkpoint before it removes the oldest: L + 1, counting those
     already there).
     """
-    args = trainer.args
     weights, checkpoint = _saved_bytes(model, lora)
     existing = complete_checkpoints(folder.path)
     if existing:  # a checkpoint also holds Trainer's state, the scheduler, the tokenizer: measure one
         checkpoint = max(checkpoint, sum(file.stat().st_size for file in existing[-1].rglob("*") if file.is_file()))
     start = _step(existing[-1]) if existing else 0
-    total = planned_steps(num_blocks, args.to_dict())
-    if args.save_strategy == "steps":
-        interval = math.ceil(total * args.save_steps) if args.save_steps < 1 else int(args.save_steps)
-        saves = total // interval - start // interval
-    else:  # "epoch" or "best": at most one a epoch
-        saves = 0 if args.save_strategy == "no" else math.ceil(args.num_train_epochs)
-    if args.save_total_limit is not None:
-        saves = min(saves, max(0, args.save_total_limit + 1 - len(existing)))
-    return weights + saves * checkpoint
+    return weights + plan.saves_to_go(start, len(existing)) * checkpoint
+
+
+def _training_blocks(sources, tokenizer, config, model_path, block_size, blocks_needed, eval_fraction):
+    """
+    The train and eval blocks, (num_blocks, 2, block_size): each block's input ids and labels (-100 outside a chat's
+    assistant turns); a DualFlowUserError when the tokenizer's ids do not fit the model's vocabulary.
+    """
+    input_ids, labels = pack_data(sources, tokenizer, block_size, blocks_needed, True)
+    if int(input_ids.max()) >= config.vocab_size:
+        raise DualFlowUserError(
+            f"the tokenizer gives token id {int(input_ids.max())}, outside the model's vocabulary (vocab_size "
+            f"{config.vocab_size}): the tokenizer in {model_path} does not belong to this model"
+        )
+    train_blocks, eval_blocks = split_blocks(torch.stack((input_ids, labels), dim=1), eval_fraction)
+    print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
+    return train_blocks, eval_blocks
+
+
+def _model_to_train(source, config, compute_dtype, load_in_4bit, aux_only, lora_options, target_modules):
+    """
+    The model as it trains: loaded in float32 (in 4 bits with `load_in_4bit`), frozen but for the aux modules with
+    `aux_only`, wrapped with LoRA given `lora_options` (`lora_r`, `lora_alpha`, `lora_dropout`).
+    """
+    quantization = {}
+    if load_in_4bit:
+        quantization["quantization_config"] = qlora_quantization_config(compute_dtype)
+    model = load_dualflow_model(source, config=config, dtype=torch.float32, **quantization)
+    if load_in_4bit:
+        check_4bit_model_runs_on_this_cpu(model)
+    if aux_only:
+        freeze_for_aux_training(model)
+    # A training setting, replaced by INFERENCE_SETTINGS before saving: the router balance loss is part of the
+    # training objective (the model's loss adds it).
+    model.config.output_router_logits = bool(model.config.num_experts)
+    if lora_options is None:
+        return model
+    try:
+        return add_lora(
+            model,
+            lora_options["lora_r"],
+            lora_options["lora_alpha"],
+            lora_dropout=lora_options["lora_dropout"],
+            target_modules=target_modules,
+        )
+    except ValueError as error:  # PEFT: target modules the model does not have
+        raise DualFlowUserError(f"--target-modules: {str(error).strip().splitlines()[0]}") from None
 
 
 def _blocks_needed(streaming: bool, eval_fraction: float, training_arguments: dict) -> int | None:
@@ -534,17 +606,10 @@ def finetune(
         run = RunState(lora=lora, saves_checkpoints=training_arguments.get("save_strategy", "steps") != "no")
         with checkpoints_kept_on_failure(folder, run):
             resume = from_main_process(lambda: _resume_and_clean(folder, resume, bool(deepspeed)))
-            input_ids, labels = pack_data(
-                sources, tokenizer, block_size, _blocks_needed(streaming, eval_fraction, training_arguments), True
+            blocks_needed = _blocks_needed(streaming, eval_fraction, training_arguments)
+            train_blocks, eval_blocks = _training_blocks(
+                sources, tokenizer, config, model_path, block_size, blocks_needed, eval_fraction
             )
-            if int(input_ids.max()) >= config.vocab_size:
-                raise DualFlowUserError(
-                    f"the tokenizer gives token id {int(input_ids.max())}, outside the model's vocabulary (vocab_size "
-                    f"{config.vocab_size}): the tokenizer in {model_path} does not belong to this model"
-                )
-            # (num_blocks, 2, block_size): each block's input ids and labels (-100 outside a chat's assistant turns)
-            train_blocks, eval_blocks = split_blocks(torch.stack((input_ids, labels), dim=1), eval_fraction)
-            print(f"data: {len(train_blocks)} train / {len(eval_blocks)} eval blocks of {block_size} tokens")
             # The blocks the NLL before / after training is measured on, at every token.
             measured = eval_blocks[:eval_blocks_max, 0]
             if not len(measured):
@@ -554,31 +619,16 @@ def finetune(
             # An absolute path, so that a saved adapter's `base_model_name_or_path` loads from any directory.
             source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
             compute_dtype = torch.bfloat16 if training_arguments.get("bf16") else torch.float32
-            quantization = {}
-            if load_in_4bit:
-                quantization["quantization_config"] = qlora_quantization_config(compute_dtype)
-            model = load_dualflow_model(source, config=config, dtype=torch.float32, **quantization)
-            if load_in_4bit:
-                check_4bit_model_runs_on_this_cpu(model)
-            if aux_only:
-                freeze_for_aux_training(model)
-            # A training setting, replaced by INFERENCE_SETTINGS before saving: the router balance loss is part of the
-            # training objective (the model's loss adds it).
-            model.config.output_router_logits = bool(model.config.num_experts)
-            if lora:
-                try:
-                    model = add_lora(
-                        model, lora_r, lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules
-                    )
-                except ValueError as error:  # PEFT: target modules the model does not have
-                    raise DualFlowUserError(f"--target-modules: {str(error).strip().splitlines()[0]}") from None
+            lora_options = dict(lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout) if lora else None
+            model = _model_to_train(source, config, compute_dtype, load_in_4bit, aux_only, lora_options, target_modules)
             trainable = model.num_parameters(only_trainable=True)
             print(f"trainable parameters: {trainable:,}")
 
+            plan = StepPlan.of(len(train_blocks), training_arguments)
             trainer = make_trainer(
-                model, train_blocks, eval_blocks, folder.path, tokenizer=tokenizer, **training_arguments
+                model, train_blocks, eval_blocks, folder.path, tokenizer=tokenizer, plan=plan, **training_arguments
             )
-            run.bytes_to_go_on = lambda: _bytes_to_write(model, lora, trainer, len(train_blocks), folder)
+            run.bytes_to_go_on = lambda: _bytes_to_write(model, lora, plan, folder)
             folder.check_free_space(run.bytes_to_go_on(), "this run")
             eval_batch = trainer.args.per_device_eval_batch_size
             before = after = None
@@ -589,10 +639,9 @@ def finetune(
             print(f"train_loss (Trainer's) = {training_objective(config)}; the eval NLL is per flow")
             divergence = StopOnNonFiniteLoss()
             trainer.add_callback(divergence)
-            total_steps = planned_steps(len(train_blocks), trainer.args.to_dict())
-            if resume is not None and _step(resume) >= total_steps:
+            if resume is not None and _step(resume) >= plan.total:
                 # The run was stopped after its last step: Trainer, resumed there, would make one step more.
-                print(f"{resume.name} is the run's last step ({total_steps}): its weights are the result")
+                print(f"{resume.name} is the run's last step ({plan.total}): its weights are the result")
                 trainer._load_from_checkpoint(str(resume))
             else:
                 trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
