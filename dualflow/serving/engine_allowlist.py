@@ -207,6 +207,9 @@ ENGINE_FIELDS = {
     "parallel_config.enable_batch_sharded_sampling": Derived("data_parallel_size and the platform"),
     "parallel_config.enable_ep_weight_filter": AtDefault(),
     "parallel_config.enable_eplb": AtDefault(),
+    "parallel_config.eplb_config.num_redundant_experts": Tested(
+        (None, 0), "vLLM 0.34 resolves it to 0 with the load balancer off (the load balancer is refused)"
+    ),
     "parallel_config.eplb_config": AtDefault("the expert-parallel load balancer is refused: start without it"),
     "parallel_config.expert_placement_strategy": AtDefault(),
     "parallel_config.all2all_backend": Inert("read by expert parallelism only, which is refused"),
@@ -414,6 +417,39 @@ ENGINE_FIELDS = {
     ),
     "shutdown_timeout": Inert("a timeout"),
 }
+
+
+# Fields vLLM 0.34.0 added (classified on its configuration; scripts/vllm_034_on_cpu.sh runs it): absent from 0.32 and
+# 0.33, so the test that every entry names an existing field leaves them out there.
+FIELDS_ADDED_IN_VLLM_0_34 = {
+    "model_config.checkpoint_prepare_on_startup": AtDefault(
+        "process checkpoints (sleep mode) have never run with this model"
+    ),
+    "cache_config.simple_cpu_offload_num_blocks": Derived("the SimpleCPUOffloadConnector, which is refused"),
+    "cache_config.enable_extensible_kv_cache": Inert("how the KV cache's memory is reserved (on by default on GPUs)"),
+    "cache_config._extensible_kv_cache_resolved": Derived("enable_extensible_kv_cache (bookkeeping)"),
+    "parallel_config.mori_ep_v2": Derived("the mori all-to-all backend (expert parallelism is refused)"),
+    "parallel_config._numa_bind_auto": Inert("NUMA placement of the worker processes"),
+    "scheduler_config.max_num_inflight_kv_loads": Inert(SCHEDULING),
+    "scheduler_config.cache_aware_admission_window": Inert(SCHEDULING),
+    "scheduler_config.cache_aware_admission_threshold": Inert(SCHEDULING),
+    "load_config.shuffle_safetensors_files": Inert("the order the weight files are read in"),
+    "kernel_config.enable_rocm_aiter_gemm_warmup": Inert("kernel warm-up at startup"),
+    "kernel_config.monokernel": AtDefault(),
+    "kernel_config.rdna_hybrid_w4a16_prefill_dequant": AtDefault(),
+    "num_hash_lookahead_tokens": Derived("vLLM's prefix-cache hashing"),
+    "compilation_config.encoder_cudagraph_max_token_budget": Inert("encoder graphs: the model has no encoder"),
+    "compilation_config.use_breakable_cudagraph": Tested(
+        (None, False), "vLLM's resolution for this model (it turns it on for a list of its own architectures)"
+    ),
+    "compilation_config.prefill_cudagraph_capture_token_sizes": Derived("cudagraph_capture_sizes and the platform"),
+    "compilation_config.max_prefill_cudagraph_capture_tokens": Derived("cudagraph_capture_sizes and the platform"),
+    "compilation_config.decode_cudagraph_capture_request_sizes": Derived("cudagraph_capture_sizes and max_num_seqs"),
+    "compilation_config.max_decode_cudagraph_capture_requests": Derived("cudagraph_capture_sizes and max_num_seqs"),
+    "compilation_config.max_decode_cudagraph_capture_tokens": Derived("cudagraph_capture_sizes and the platform"),
+    "watchdog_config": Inert("a watchdog of the engine's steps"),
+}
+ENGINE_FIELDS.update(FIELDS_ADDED_IN_VLLM_0_34)
 
 
 def classification(path: str):

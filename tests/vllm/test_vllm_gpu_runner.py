@@ -245,6 +245,8 @@ def test_the_expert_parallel_load_balancer_is_refused(served, monkeypatch):
 def test_an_untested_vllm_release_is_refused_before_the_engine_starts(checkpoint, monkeypatch):
     vllm_internals.check_vllm_version()  # the installed release is one of the tested ones
     monkeypatch.setattr(vllm, "__version__", "0.31.2+cpu")
-    message = r"Dual-Flow's vLLM model is built for vLLM 0\.32\.0 or 0\.33\.0, not 0\.31\.2\+cpu: install one of"
+    message = (
+        r"Dual-Flow's vLLM model is built for vLLM 0\.32\.0 or 0\.33\.0 or 0\.34\.0, not 0\.31\.2\+cpu: install one of"
+    )
     with pytest.raises(ValueError, match=message), running_engine(checkpoint):
         pass

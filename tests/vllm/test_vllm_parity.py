@@ -17,6 +17,8 @@ from vllm_reference import (
     served_greedy,
 )
 
+from dualflow.serving.vllm_internals import runs_model_runner_v2
+
 
 MAX_NEW = 8
 TOKEN_BUDGET = ENGINE_ARGS["max_num_batched_tokens"]  # longer prompts (and batches) are prefilled in chunks
@@ -54,7 +56,7 @@ def model_runner_module(worker) -> str:
 def test_engine_runs_on_the_model_runner_asked_for(engine):
     # VLLM_USE_V2_MODEL_RUNNER=1 (conftest.py): V2's CPU runner, a subclass of its GPU runner; else V1's CPU runner
     v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1"
-    assert engine.llm_engine.vllm_config.use_v2_model_runner is v2
+    assert runs_model_runner_v2(engine.llm_engine.vllm_config) is v2
     expected = "vllm.v1.worker.cpu.model_runner" if v2 else "vllm.v1.worker.cpu_model_runner"
     assert engine.collective_rpc(model_runner_module) == [expected]
 

@@ -8,6 +8,7 @@ and adapters) is the other modules' tests, run again on V2 by CI.
 """
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 from test_vllm_cudagraph_dispatch import CAPTURE_SIZES, MAX_SAMPLED_ROWS, PIECES, simulated_graphs
@@ -23,6 +24,8 @@ from vllm_reference import (
     running_engine,
     served_greedy,
 )
+
+from dualflow.serving.vllm_internals import runs_model_runner_v2
 
 
 MAX_NEW = 8
@@ -46,7 +49,7 @@ def test_async_scheduling_serves_transformers_tokens(checkpoint, engines, async_
     engines.close()  # one CPU engine in this process at a time (conftest.py)
     with running_engine(checkpoint, async_scheduling=True, **PREFIX_CACHING_AND_CHUNKED_PREFILL) as engine:
         config = engine.llm_engine.vllm_config
-        assert config.use_v2_model_runner and config.scheduler_config.async_scheduling
+        assert runs_model_runner_v2(config) and config.scheduler_config.async_scheduling
         outputs = served_greedy(engine, PROMPTS, MAX_NEW)
     assert_matches_transformers(outputs, PROMPTS, load_reference(checkpoint), MAX_NEW)
 
@@ -61,7 +64,8 @@ def capture_with_v2(worker) -> list[tuple[str, list[int]]]:
 
     runner = worker.model_runner
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cudagraph_utils, "graph_capture", lambda device: contextlib.nullcontext())
+        no_stream = contextlib.nullcontext(SimpleNamespace(stream=None))  # vLLM 0.34 reads the context's stream
+        patch.setattr(cudagraph_utils, "graph_capture", lambda *args, **kwargs: no_stream)
         runner.cudagraph_manager.capture(
             runner.model,
             runner.model_state,
@@ -89,7 +93,7 @@ def test_v2_captures_every_piece_at_startup_and_serving_only_replays(checkpoint,
         simulated_graphs() as wrapper,
         running_engine(checkpoint, compilation_config=compilation, enable_chunked_prefill=True) as engine,
     ):
-        assert engine.llm_engine.vllm_config.use_v2_model_runner
+        assert runs_model_runner_v2(engine.llm_engine.vllm_config)
         wrapper.calls.clear()
         captured = engine.collective_rpc(capture_with_v2)[0]
         capture_calls = list(wrapper.calls)
