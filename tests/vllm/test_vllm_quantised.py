@@ -4,19 +4,23 @@ tokens equal to transformers' on the dequantised weights, logprobs within QUANTI
 everything but the attention projections stored and served as it was."""
 
 import json
+import os
 import re
 import subprocess
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 import torch
 from compressed_tensors.entrypoints.convert import convert_checkpoint
 from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
 from safetensors.torch import load_file
+from transformers import ByT5Tokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from vllm_reference import assert_matches_transformers, load_reference, random_prompts, served_greedy
 
 from dualflow.cli import main
+from dualflow.convert import convert_checkpoint as convert_to_dualflow
 from dualflow.quantize import quantize_checkpoint
 from dualflow.quantize_cli import check_compressed_tensors
 
@@ -123,3 +127,39 @@ def test_the_command_keeps_the_source_layout_quietly_and_push_takes_it(adapter_c
     tensors = {name: tensor for shard in shards for name, tensor in load_file(quantised / shard).items()}
     assert weight_map.keys() == tensors.keys() == single.keys()
     assert all(torch.equal(tensors[name], single[name]) for name in single)
+
+
+def test_the_quantisation_pages_vllm_block_runs_as_written(tmp_path):
+    """docs/quantisation.md's block, as a user runs it on a CPU, with `my-dualflow` a converted tiny Qwen3-MoE."""
+    page = (Path(__file__).parents[2] / "docs" / "quantisation.md").read_text()
+    marker = "<!-- not run: tests/vllm/test_vllm_quantised.py runs this block as written"
+    block = re.search(re.escape(marker) + r"[^\n]*\n```bash\n(.*?)```", page, re.DOTALL).group(1)
+    tokenizer = ByT5Tokenizer()  # knows any text: the block's prompt is "Hello"
+    source = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,  # one quantisation group of the W4A8 preset
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(source).save_pretrained(tmp_path / "source")
+    tokenizer.save_pretrained(tmp_path / "source")
+    convert_to_dualflow(tmp_path / "source", tmp_path / "my-dualflow", aux_top_k=4, show_progress=False)
+    (tmp_path / ".venv-vllm").symlink_to(Path(sys.executable).parents[1])  # the page's `.venv-vllm`
+    # as a user's shell has it: vLLM's own engine processes (conftest.py keeps this session's engines in-process)
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["HF_HUB_OFFLINE"] = "1"
+    command = ["bash", "-e", "-c", block]
+    completed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert (tmp_path / "my-dualflow-w4a8" / "model.safetensors").is_file()
+    assert "quantization=compressed-tensors" in completed.stdout + completed.stderr  # vLLM's engine config line
