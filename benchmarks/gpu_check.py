@@ -10,6 +10,8 @@ with generate's compiled static cache, next to the byte limit computed from the 
 training per attention backend (sdpa, flex_attention, flash_attention_2 if importable): step time, peak memory, the
 loss and the weights its backward leaves without a gradient.
 Times are CUDA-synchronised wall clock, variants interleaved, medians. Results go to docs/results/gpu.md.
+After the table it prints the number to meet for decode aux on / off (benchmarks/decode_roofline.py's byte model for a
+Qwen3-30B-A3B shape at an H100's bandwidth; docs/results/gpu.md, "The number to meet").
 """
 
 import argparse
@@ -31,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain
 from convert.families import family_for  # noqa: E402
 from dualflow.convert import init_aux_from_primary  # noqa: E402
 from modeling_dualflow import DualFlowConfig, DualFlowForCausalLM  # noqa: E402
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_roofline import gpu_prediction_table  # noqa: E402
 
 
 FULL = dict(
@@ -327,6 +333,7 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")  # after every section: a crash keeps the rest
     print(table(results))
+    print(f"\nthe number to meet (bandwidth-bound decode, docs/results/gpu.md):\n{gpu_prediction_table()}")
     print(f"results: {args.out}")
     return 0
 
