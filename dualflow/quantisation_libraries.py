@@ -52,12 +52,9 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def import_bitsandbytes() -> str | None:
-    """
-    Import bitsandbytes with what it logs while loading held back. Returns one line for the user when it could not
-    fetch its CPU 4-bit kernel from the Hub (offline, or no `kernels` package; it then computes with its built-in
-    kernel) or said anything else; None when it loaded without a word.
-    """
+@contextmanager
+def held_back_kernel_fetch_logs() -> Iterator[list[str]]:
+    """In the block, what bitsandbytes and `kernels` log (warnings and up) is kept in the list yielded, not printed."""
     records = _Records()
     loggers = [logging.getLogger(name) for name in KERNEL_FETCH_LOGGERS]
     saved = [(logger.propagate, logger.level) for logger in loggers]
@@ -66,13 +63,21 @@ def import_bitsandbytes() -> str | None:
         logger.propagate = False
         logger.setLevel(logging.WARNING)
     try:
-        import bitsandbytes  # noqa: F401
+        yield records.messages
     finally:
         for logger, (propagate, level) in zip(loggers, saved):
             logger.removeHandler(records)
             logger.propagate, logger.level = propagate, level
+
+
+def kernel_fetch_note(messages: list[str]) -> str | None:
+    """
+    One line for the user from what bitsandbytes logged while loading: that it could not fetch its CPU 4-bit kernel
+    from the Hub (offline, or no `kernels` package; it then computes with its built-in kernel), or the last thing it
+    said; None when it said nothing that matters.
+    """
     # Offline, `kernels` loads a kernel it fetched before without checking its publisher again, and says so.
-    messages = [message for message in records.messages if "publisher trust check" not in message]
+    messages = [message for message in messages if "publisher trust check" not in message]
     if not messages:
         return None
     if any("gemm_4bit_forward" in message for message in messages):
@@ -82,6 +87,13 @@ def import_bitsandbytes() -> str | None:
             "it computes with its built-in kernel instead"
         )
     return f"note: bitsandbytes: {messages[-1].splitlines()[0]}"
+
+
+def import_bitsandbytes() -> str | None:
+    """Import bitsandbytes with what it logs while loading held back; returns `kernel_fetch_note` of it."""
+    with held_back_kernel_fetch_logs() as messages:
+        import bitsandbytes  # noqa: F401
+    return kernel_fetch_note(messages)
 
 
 def cpu_unpackable_4bit_layers(model) -> list[str]:

@@ -5,6 +5,7 @@ Qwen3-MoE's.
 """
 
 import copy
+import logging
 import sys
 import warnings
 
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM, ByT5Tokenizer
 from dualflow.convert import convert_checkpoint
 from dualflow.finetune import flow_nll, make_trainer, split_blocks
 from dualflow.lora import add_lora, qlora_quantization_config
-from dualflow.quantisation_libraries import cpu_unpackable_4bit_layers
+from dualflow.quantisation_libraries import cpu_unpackable_4bit_layers, held_back_kernel_fetch_logs, kernel_fetch_note
 from modeling_dualflow import DualFlowForCausalLM
 
 
@@ -282,3 +283,28 @@ def test_finetune_load_in_4bit_refuses_what_the_avx512_bf16_kernel_cannot_pack(t
         "32 -> 32): load this model without --load-in-4bit"
     )
     assert not (tmp_path / "adapter").exists()  # refused before the run wrote anything
+
+
+def test_what_bitsandbytes_logs_while_loading_becomes_one_note(capfd, caplog):
+    # On a CPU with AVX512-BF16, importing bitsandbytes fetches its 4-bit kernel from the Hub and logs when it cannot
+    # (bitsandbytes 0.50.2's words, through its own logger); offline, `kernels` also logs that it skips a check.
+    capfd.readouterr()
+    with held_back_kernel_fetch_logs() as messages:
+        logging.getLogger("kernels._internals.hf_hub").warning(
+            "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' because Hugging Face "
+            "Hub is in offline mode."
+        )
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already `pip "
+            "install kernels` and the kernels >= 0.11.1",
+            "Cannot reach https://huggingface.co",
+        )
+    assert capfd.readouterr().err == "" and caplog.text == ""  # held back: neither printed nor passed on
+    assert kernel_fetch_note(messages) == (
+        "note: bitsandbytes could not fetch its CPU 4-bit kernel from the Hub "
+        "(kernels-community/quantization-bitsandbytes; offline, or no `kernels` package): it computes with its "
+        "built-in kernel instead"
+    )
+    assert kernel_fetch_note(messages[:1]) is None  # a kernel fetched before, loaded offline: nothing to say
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("after the block")
+    assert "after the block" in caplog.text  # the loggers speak again
