@@ -139,7 +139,8 @@ def pack_data(
                 break
     if len(input_ids) < 2:
         raise DualFlowUserError(
-            f"the data has {num_tokens} tokens ({len(input_ids)} blocks with tokens to train on): at least 2 blocks "
+            f"the data has {num_tokens} token{'s' * (num_tokens != 1)} ({len(input_ids)} blocks with tokens to train "
+            f"on): at least 2 blocks "
             f"of --block-size {block_size} are needed (more text or a smaller --block-size)"
         )
     return torch.stack(input_ids), torch.stack(labels)
@@ -254,7 +255,7 @@ def _tokenize(tokenizer, document: str | list[dict], where: str) -> tuple[list[i
             ids.append(tokenizer.eos_token_id)
         return ids, ids
     if tokenizer.chat_template is None:
-        raise DualFlowUserError(f'{where}: "messages" need a chat template, and the tokenizer has none')
+        raise DualFlowUserError(f'{where}: the "messages" field needs a chat template, and the tokenizer has none')
     try:
         ids, assistant = _chat_tokens(tokenizer, document)
     except TemplateError as error:

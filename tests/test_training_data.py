@@ -312,7 +312,7 @@ def messages_that_are_no_list_of_messages(tmp):
 @bad_data
 def messages_without_a_chat_template(tmp):
     data = write(tmp / "a.parquet", [{"messages": CONVERSATIONS[1]}])
-    return data, {}, f'data file {data}, row 0: "messages" need a chat template, and the tokenizer has none'
+    return data, {}, f'data file {data}, row 0: the "messages" field needs a chat template, and the tokenizer has none'
 
 
 @bad_data

@@ -79,8 +79,9 @@ def build_parser(prog: str = "dualflow experiment") -> argparse.ArgumentParser:
         "--arms",
         nargs="+",
         metavar="ARM",
-        help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default). Arms: {', '.join(repr(n) for n in ARMS_BY_NAME)}. "
-        "With --regime upcycle: recipes or groups (default, lr, gentle, compute, rounds, all)",
+        help=f"arms or groups ({', '.join(ARM_GROUPS)}; default: default), e.g. 'dual kp2 ka4'; an unknown name is "
+        f"refused with the list of the {len(ARMS_BY_NAME)} arms. With --regime upcycle: recipes or groups (default, lr, "
+        "gentle, compute, rounds, all)",
     )
     parser.add_argument("--out", default="runs/experiment", help="output folder (default runs/experiment)")
     parser.add_argument(
