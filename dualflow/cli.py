@@ -85,17 +85,25 @@ def main(argv: list[str] | None = None) -> int:
             close_progress_bars()
             print(f"dualflow {command}: error: {error}", file=sys.stderr)
             return 2
-        except (
-            KeyboardInterrupt
-        ) as interrupt:  # Ctrl-C, SIGTERM or SIGHUP: what was kept, if anything, and no traceback
-            close_progress_bars()
-            new_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C
-            if signals.signum is None:
-                how, status = "interrupted", 130
-            else:  # the shell's status for a process killed by that signal
-                how, status = f"terminated ({signal.Signals(signals.signum).name})", 128 + signals.signum
-            print(f"{new_line}dualflow {command}: {how}{f'; {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
-            return status
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, SIGTERM or SIGHUP: what was kept, if anything, no traceback
+            return ended_by_signal(command, signals, interrupt)
+        except Exception:
+            if signals.signum is None and not signals.interrupted:
+                raise
+            # the signal landed in a library's native code (safetensors' reads), which reported an error of its own
+            return ended_by_signal(command, signals, KeyboardInterrupt())
+
+
+def ended_by_signal(command: str, signals, interrupt: KeyboardInterrupt) -> int:
+    """The one line of a command ended by Ctrl-C, SIGTERM or SIGHUP, and its exit status."""
+    close_progress_bars()
+    new_line = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C
+    if signals.signum is None:
+        how, status = "interrupted", 130
+    else:  # the shell's status for a process killed by that signal
+        how, status = f"terminated ({signal.Signals(signals.signum).name})", 128 + signals.signum
+    print(f"{new_line}dualflow {command}: {how}{f'; {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 class SignalState:
     signum: int | None = None  # the terminating signal received, if any
+    interrupted: bool = False  # Ctrl-C (SIGINT) received
 
 
 @contextmanager
@@ -35,8 +36,10 @@ def terminating_signals_as_interrupt():
     """
     `with terminating_signals_as_interrupt() as state:` a SIGTERM or SIGHUP raises DualFlowTerminated in the block
     (and sets `state.signum`), so whatever a Ctrl-C cleans up is cleaned up too; a second such signal during that
-    cleanup is ignored. Nothing changes for a signal the program handles itself, or outside the main thread (signals
-    reach only it); a process forked in the block still dies of these signals as by default.
+    cleanup is ignored. A Ctrl-C raises KeyboardInterrupt as by default and sets `state.interrupted`: native code
+    (safetensors' reads) can turn the interrupt into an error of its own, which the caller can then tell apart from a
+    bug. Nothing changes for a signal the program handles itself, or outside the main thread (signals reach only it);
+    a process forked in the block still dies of these signals as by default.
     """
     state = SignalState()
     if threading.current_thread() is not threading.main_thread():
@@ -55,10 +58,19 @@ def terminating_signals_as_interrupt():
         state.signum = signum
         raise DualFlowTerminated()
 
+    def interrupt(signum, frame):
+        state.interrupted = True
+        signal.default_int_handler(signum, frame)
+
     for signum in handled:
         signal.signal(signum, terminate)
+    ctrl_c_default = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ctrl_c_default:
+        signal.signal(signal.SIGINT, interrupt)
     try:
         yield state
     finally:
         for signum in handled:
             signal.signal(signum, signal.SIG_DFL)
+        if ctrl_c_default:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
