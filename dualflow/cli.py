@@ -12,6 +12,7 @@ import signal
 import sys
 from importlib.metadata import version
 
+from .deepspeed_runs import is_main_process
 from .errors import DualFlowUserError, terminating_signals_as_interrupt
 from .quantisation_libraries import quantisation_libraries_left_out
 
@@ -102,7 +103,8 @@ def ended_by_signal(command: str, signals, interrupt: KeyboardInterrupt) -> int:
         how, status = "interrupted", 130
     else:  # the shell's status for a process killed by that signal
         how, status = f"terminated ({signal.Signals(signals.signum).name})", 128 + signals.signum
-    print(f"{new_line}dualflow {command}: {how}{f'; {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
+    if is_main_process():  # a launcher's other processes (torchrun, DeepSpeed) got the same signal: one line in all
+        print(f"{new_line}dualflow {command}: {how}{f'; {interrupt}' if str(interrupt) else ''}", file=sys.stderr)
     return status
 
 

@@ -9,6 +9,7 @@ ZeRO-2, the module's states), `latest` (the name of that folder, written once ev
 `zero_to_fp32.py`. Resuming reads `global_stepN/`, so such a checkpoint is complete only with both.
 """
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -52,7 +53,7 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", 0)) == 0
 
 
-def check_deepspeed_run(config: dict, lora: bool, load_in_4bit: bool) -> None:
+def check_deepspeed_run(config: dict, load_in_4bit: bool) -> None:
     """One-line errors, before any work, for DeepSpeed runs that `dualflow finetune` cannot finish."""
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         raise DualFlowUserError(
@@ -62,16 +63,72 @@ def check_deepspeed_run(config: dict, lora: bool, load_in_4bit: bool) -> None:
     stage = zero_stage(config)
     if load_in_4bit:
         raise DualFlowUserError("--load-in-4bit cannot train under DeepSpeed (ZeRO does not partition 4-bit weights)")
-    if stage == 3 and lora:
-        raise DualFlowUserError(
-            "--lora under ZeRO-3 is not supported (PEFT's LoRA on the fused experts is untested with partitioned "
-            "weights): use a ZeRO-2 config, or full fine-tuning under ZeRO-3"
-        )
     gather = config.get("zero_optimization", {}).get("stage3_gather_16bit_weights_on_model_save")
     if stage == 3 and gather is not True:
         raise DualFlowUserError(
             '--deepspeed: a ZeRO-3 config needs "stage3_gather_16bit_weights_on_model_save": true in '
             '"zero_optimization", so that the checkpoints and the result are model folders'
+        )
+    check_optimizer_builds(config)
+
+
+# The DeepSpeed op that each of DeepSpeed's own optimizers builds, with its states offloaded to the CPU and without
+# (None: a torch optimizer). A name outside DeepSpeed's list is a torch.optim class (DeepSpeed's engine looks it up).
+OPTIMIZER_OPS = {
+    "adam": ("CPUAdamBuilder", "FusedAdamBuilder"),
+    "adamw": ("CPUAdamBuilder", "FusedAdamBuilder"),
+    "adagrad": ("CPUAdagradBuilder", None),
+    "lamb": ("FusedLambBuilder", "FusedLambBuilder"),
+    "lion": ("CPULionBuilder", "FusedLionBuilder"),
+}
+MUP_OPTIMIZERS = ("muadam", "muadamw", "musgd")
+
+
+def check_optimizer_builds(config: dict) -> None:
+    """A one-line error when the config's "optimizer" section names an optimizer this machine cannot build."""
+    section = config.get("optimizer")
+    if section is None:  # Trainer's own AdamW
+        return
+    if not isinstance(section, dict):
+        raise DualFlowUserError(
+            '--deepspeed: the "optimizer" section must be an object: {"type": NAME, "params": {...}}'
+        )
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    name = str(section.get("type"))
+    where = f'--deepspeed: the "optimizer" section names {name!r}'
+    if name.lower() not in DEEPSPEED_OPTIMIZERS:
+        if not isinstance(getattr(torch.optim, name, None), type):
+            raise DualFlowUserError(
+                f"{where}, neither one of DeepSpeed's ({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class"
+            )
+        return
+    name = name.lower()
+    if name in MUP_OPTIMIZERS and importlib.util.find_spec("mup") is None:
+        raise DualFlowUserError(f"{where}, which needs the mup package: pip install mup")
+    offloaded = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    op = OPTIMIZER_OPS.get(name, (None, None))[0 if offloaded else 1]
+    if name in ("adam", "adamw") and section.get("params", {}).get("torch_adam"):
+        op = None
+    accelerator = get_accelerator()
+    builder = accelerator.get_op_builder(op) if op else None
+    if op and (builder is None or builder.__name__ != op or not builder().is_compatible(verbose=False)):
+        raise DualFlowUserError(
+            f"{where}, whose DeepSpeed op ({op}) does not build on this machine's {accelerator.device_name()} "
+            "accelerator: name another optimizer, or leave the section out for Trainer's AdamW"
+        )
+
+
+def check_model_partitions(config: dict, model_config) -> None:
+    """A one-line error for a quantised checkpoint under ZeRO-3, which partitions every weight."""
+    quantization = getattr(model_config, "quantization_config", None)
+    if zero_stage(config) == 3 and quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+        raise DualFlowUserError(
+            f"--deepspeed: the model is quantised ({method}) and ZeRO-3 partitions every weight, which quantised "
+            "weights cannot be: fine-tune the unquantised checkpoint"
         )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
 
 import modeling_dualflow  # noqa: F401  (registers the dualflow model type with the Auto classes)
 
@@ -31,6 +31,7 @@ from .deepspeed_runs import (
     FollowerFolder,
     check_checkpoint_fits_run,
     check_deepspeed_run,
+    check_model_partitions,
     deepspeed_checkpoint_bytes,
     deepspeed_checkpoint_complete,
     deepspeed_config,
@@ -589,12 +590,15 @@ def finetune(
         raise DualFlowUserError(f"--lora-dropout must be in [0, 1), got {lora_dropout}")
     resume = training_arguments.pop("resume_from_checkpoint", None)
     deepspeed = training_arguments.get("deepspeed")
-    if deepspeed:
-        check_deepspeed_run(deepspeed_config(deepspeed), lora, load_in_4bit)
+    zero_config = deepspeed_config(deepspeed) if deepspeed else None
+    if zero_config is not None:
+        check_deepspeed_run(zero_config, load_in_4bit)
     if world_size() > 1:  # launched processes agree on OUT before any work (their process group)
         start_processes(training_arguments, output_dir)
     sources = load_data(data_path, text_field, data_split, data_config, streaming)
     config = load_dualflow_config(model_path)
+    if zero_config is not None:
+        check_model_partitions(zero_config, config)
     tokenizer = load_tokenizer(model_path)
     block_size = min(block_size, config.max_position_embeddings)
     # OUT is made and locked at once: an output that cannot be written fails before tokenizing and training.
@@ -620,6 +624,8 @@ def finetune(
             source = Path(model_path).resolve() if Path(model_path).is_dir() else model_path
             compute_dtype = torch.bfloat16 if training_arguments.get("bf16") else torch.float32
             lora_options = dict(lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout) if lora else None
+            # Seeded as Trainer seeds: the new LoRA weights are the same in every run of the command and every process
+            set_seed(training_arguments.get("seed", TRAINER_DEFAULTS["seed"]))
             model = _model_to_train(source, config, compute_dtype, load_in_4bit, aux_only, lora_options, target_modules)
             trainable = model.num_parameters(only_trainable=True)
             print(f"trainable parameters: {trainable:,}")

@@ -82,6 +82,11 @@ def main():
         "local_fraction": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
         / sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
         "deepspeed_engine": type(trainer.model_wrapped).__name__,
+        "optimizer": type(trainer.model_wrapped.basic_optimizer).__name__,
+        "offloaded": [
+            trainer.model_wrapped.zero_use_cpu_optimizer(),
+            trainer.model_wrapped.zero_offload_param() is not None,
+        ],
         "train_losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "rows": seen[:4],
     }
