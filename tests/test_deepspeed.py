@@ -160,22 +160,31 @@ def finetune_phases(tmp_path: Path, phases: list[dict], shim: bool = True) -> tu
     return results, completed.stdout
 
 
+def zero3_finetune_args(tmp_path: Path) -> list:
+    """
+    A tiny Dual-Flow checkpoint with its tokenizer, a corpus and the ZeRO-3 config in `tmp_path`, and the arguments of
+    `dualflow finetune` that the tests of stopped and resumed ZeRO-3 runs share: a checkpoint every 2 steps and a
+    constant learning rate, so that a run stopped after a checkpoint has the schedule of a run never stopped.
+    """
+    model_dir = tmp_path / "tiny-dualflow"
+    byte_model(aux_num_experts_per_tok=3).save_pretrained(model_dir)
+    ByT5Tokenizer().save_pretrained(model_dir)
+    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=6000))
+    (tmp_path / "zero3.json").write_text(json.dumps(ZERO_CONFIGS["zero3"]))
+    common = [model_dir, "--data", tmp_path / "corpus.txt", "--deepspeed", tmp_path / "zero3.json"]
+    common += ["--block-size", 32, "--batch-size", 2, "--save-steps", 2, "--lr", 3e-3, "--disable-tqdm", "true"]
+    return [*common, "--lr-scheduler-type", "constant"]
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(file.stat().st_size for file in folder.rglob("*") if file.is_file())
 
 
 @pytest.mark.multiprocess
 def test_finetune_cli_under_zero3_saves_resumes_and_counts_deepspeed_checkpoints(tmp_path):
-    model_dir = tmp_path / "tiny-dualflow"
-    byte_model(aux_num_experts_per_tok=3).save_pretrained(model_dir)
-    ByT5Tokenizer().save_pretrained(model_dir)
-    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=6000))
-    (tmp_path / "zero3.json").write_text(json.dumps(ZERO_CONFIGS["zero3"]))
+    common = zero3_finetune_args(tmp_path)
+    model_dir = common[0]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    common = [model_dir, "--data", tmp_path / "corpus.txt", "--deepspeed", tmp_path / "zero3.json"]
-    common += ["--block-size", 32, "--batch-size", 2, "--save-steps", 2, "--lr", 3e-3, "--disable-tqdm", "true"]
-    # a constant learning rate: the run stopped after 2 of 4 steps then has the straight run's schedule
-    common += ["--lr-scheduler-type", "constant"]
     phases = [
         {"argv": [*common, "--max-steps", 4, "--output-dir", straight]},
         {"argv": [*common, "--max-steps", 2, "--output-dir", stopped]},
@@ -227,15 +236,8 @@ def test_finetune_cli_under_zero3_saves_resumes_and_counts_deepspeed_checkpoints
 @pytest.mark.multiprocess
 def test_ctrl_c_of_a_launched_deepspeed_run_keeps_its_checkpoints_and_the_same_command_goes_on(tmp_path):
     """Ctrl-C in the terminal of `torchrun ... dualflow finetune --deepspeed`: the signal reaches every process."""
-    model_dir = tmp_path / "tiny-dualflow"
-    byte_model(aux_num_experts_per_tok=3).save_pretrained(model_dir)
-    ByT5Tokenizer().save_pretrained(model_dir)
-    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=6000))
-    (tmp_path / "zero3.json").write_text(json.dumps(ZERO_CONFIGS["zero3"]))
+    common = [*zero3_finetune_args(tmp_path), "--eval-blocks", 0]
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
-    common = [model_dir, "--data", tmp_path / "corpus.txt", "--deepspeed", tmp_path / "zero3.json", "--eval-blocks", 0]
-    common += ["--block-size", 32, "--batch-size", 2, "--save-steps", 2, "--lr", 3e-3, "--disable-tqdm", "true"]
-    common += ["--lr-scheduler-type", "constant"]
     (tmp_path / "long.json").write_text(
         json.dumps([{"argv": list(map(str, [*common, "--max-steps", 400, "--output-dir", stopped]))}])
     )
