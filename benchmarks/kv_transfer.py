@@ -1,6 +1,6 @@
 """Prefill on the base model, decode with Dual-Flow, through vLLM's ExampleConnector (issue 39).
 
-    .venv-vllm/bin/python benchmarks/kv_transfer.py [--rounds 5 --batches 1 8 --prompt 257 --decode-tokens 64]
+    .venv-vllm/bin/python benchmarks/kv_transfer.py [--rounds 5 --batches 1 8 --prompt 258 --decode-tokens 64]
 
 A random Qwen3-MoE (the CPU preset of vllm_throughput.py: hidden 512, 4 layers, 8 experts, k_p = 2), converted to
 Dual-Flow with k_a = 2 k_p and its couplings perturbed, served by four engines at once (each in its engine process):
@@ -14,6 +14,13 @@ from the step that gave every request its first token to the last token, vLLM's 
 the consumer's KV load nor the engine's own prefill is in it). Orders rotate every round; medians and the median of
 the per-round ratios with its standard error. KV bytes: what the connector stored per prompt token, by producer,
 against the base model's K/V size (2 x layers x KV heads x head size x dtype bytes).
+
+Every engine gets the same CPU cores for its OpenMP threads (`equal_cpu_binding`): vLLM's automatic binding on CPU
+reserves one more core for an engine with a KV connector than for one without, and where the machine has too few cores
+for that it reserves none, so on 2 cores the producers and the consumer ran 2 threads and the engine alone 1. The
+consumer then decoded 1.3-1.5 times as fast as the engine alone on the same path (issue 63.4). vLLM's binding, not
+OMP_NUM_THREADS, sets an engine's threads. The consumer must load what the base producer stored: the run fails where it
+loaded nothing (vLLM's count of a request's cached prompt tokens, which takes in the connector's).
 """
 
 import argparse
@@ -31,12 +38,31 @@ from dualflow.instruments.probes import rotated, seconds
 from modeling_dualflow import DualFlowForCausalLM
 
 
+# vLLM's CPU engines: the cores kept from the automatic OpenMP binding for the engine's other processes.
+RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def equal_cpu_binding(environ) -> str:
+    """
+    Give every engine the same OpenMP cores: vLLM's automatic binding keeps one core per worker for the scheduler's
+    process, and one more where a KV connector is configured (for the connector's transfers); with too few cores for
+    that it keeps none, so an engine with a connector got more threads than one without. One reserved core for every
+    engine, unless the caller chose a count, or named the cores (VLLM_CPU_OMP_THREADS_BIND, which binds every engine
+    alike). Returns the binding, for the report.
+    """
+    environ.setdefault(RESERVED_CPUS, "1")
+    cores = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    return f"VLLM_CPU_OMP_THREADS_BIND={cores}, {RESERVED_CPUS}={environ[RESERVED_CPUS]}"
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    # the ExampleConnector moves the whole blocks of all but the last prompt token: 257 moves two 128-token blocks
-    parser.add_argument("--prompt", type=int, default=257, help="prompt tokens (the consumer loads the whole blocks)")
+    # The ExampleConnector stores the whole blocks before a prompt's last token but looks up those before its last two:
+    # a prompt of k blocks and 1 token (257 with vLLM's 128-token CPU blocks) stores k blocks the consumer never finds,
+    # and the consumer computes the prompt itself. 258 moves two blocks, the consumer computes 2 tokens.
+    parser.add_argument("--prompt", type=int, default=258, help="prompt tokens (the consumer loads the whole blocks)")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile in vLLM")
     args = parser.parse_args()
@@ -77,6 +103,7 @@ def stored_kv(storage: Path) -> tuple[float, float]:
 def main():
     args = parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    binding = equal_cpu_binding(os.environ)  # before any engine starts: its processes read it
     from vllm import LLM
 
     with tempfile.TemporaryDirectory(prefix="dualflow-kv-bench-") as tmp:
@@ -118,6 +145,7 @@ def main():
         prefill = {size: {name: [] for name in producers} for size in args.batches}
         decode = {size: {name: [] for name in decoders} for size in args.batches}
         same_tokens = True
+        loaded = []  # prompt tokens of each consumer request that came from the connector
         for round_index in range(args.rounds):
             for size in args.batches:
                 batch = torch.randint(0, config.vocab_size, (size, args.prompt), generator=generator).tolist()
@@ -128,6 +156,8 @@ def main():
                     outputs = run_vllm(engines[name], batch, args.decode_tokens)
                     decode[size][name].append(size * (args.decode_tokens - 1) / decode_only_seconds(outputs))
                     tokens[name] = [list(output.outputs[0].token_ids) for output in outputs]
+                    if name == "Dual-Flow consumer":
+                        loaded += [output.num_cached_tokens for output in outputs]
                 same_tokens &= tokens["Dual-Flow consumer"] == tokens["Dual-Flow alone"]
             print(f"round {round_index + 1}/{args.rounds} done", flush=True)
         block_size = engines["Dual-Flow consumer"].llm_engine.vllm_config.cache_config.block_size
@@ -139,7 +169,7 @@ def main():
     print(
         f"\nQwen3-MoE hidden {config.hidden_size}, {config.num_hidden_layers} layers, {config.num_experts} experts, "
         f"k_p={TOP_K}, Dual-Flow k_a={2 * TOP_K}, float32; prompts of {args.prompt} tokens, {args.decode_tokens} "
-        f"generated; {args.rounds} interleaved rounds, medians; CPU ({os.cpu_count()} cores)\n"
+        f"generated; {args.rounds} interleaved rounds, medians; CPU ({os.cpu_count()} cores; every engine: {binding})\n"
     )
     print("| measurement | engine | tokens/s | ratio to baseline |")
     print("| --- | --- | ---: | ---: |")
@@ -151,6 +181,12 @@ def main():
     print(f"KV blocks of {block_size} tokens; tokens stored per prompt: {kv['base'][1]:.0f} of {args.prompt}")
     print(f"KV bytes per prompt token stored: base {kv['base'][0]:,.0f}, Dual-Flow {kv['Dual-Flow'][0]:,.0f}; ", end="")
     print(f"the base model's K/V per token: {base_kv:,}")
+    print(f"prompt tokens the consumer loaded per request: {min(loaded)} to {max(loaded)} of {args.prompt}")
+    if min(loaded) == 0:
+        raise SystemExit(
+            "the consumer loaded no KV for some requests: it prefilled them itself, so it measured no P/D decode "
+            f"(the ExampleConnector never finds a prompt of whole {block_size}-token blocks and 1 token, for one)"
+        )
 
 
 if __name__ == "__main__":
