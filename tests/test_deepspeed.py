@@ -160,16 +160,22 @@ def finetune_phases(tmp_path: Path, phases: list[dict], shim: bool = True) -> tu
     return results, completed.stdout
 
 
-def zero3_finetune_args(tmp_path: Path) -> list:
-    """
-    A tiny Dual-Flow checkpoint with its tokenizer, a corpus and the ZeRO-3 config in `tmp_path`, and the arguments of
-    `dualflow finetune` that the tests of stopped and resumed ZeRO-3 runs share: a checkpoint every 2 steps and a
-    constant learning rate, so that a run stopped after a checkpoint has the schedule of a run never stopped.
-    """
+def finetune_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny Dual-Flow checkpoint with its tokenizer and a corpus in `tmp_path`: the model folder and the corpus."""
     model_dir = tmp_path / "tiny-dualflow"
     byte_model(aux_num_experts_per_tok=3).save_pretrained(model_dir)
     ByT5Tokenizer().save_pretrained(model_dir)
     (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=6000))
+    return model_dir, tmp_path / "corpus.txt"
+
+
+def zero3_finetune_args(tmp_path: Path) -> list:
+    """
+    The inputs and the ZeRO-3 config in `tmp_path`, and the arguments of `dualflow finetune` that the tests of stopped
+    and resumed ZeRO-3 runs share: a checkpoint every 2 steps and a constant learning rate, so that a run stopped
+    after a checkpoint has the schedule of a run never stopped.
+    """
+    model_dir, _ = finetune_inputs(tmp_path)
     (tmp_path / "zero3.json").write_text(json.dumps(ZERO_CONFIGS["zero3"]))
     common = [model_dir, "--data", tmp_path / "corpus.txt", "--deepspeed", tmp_path / "zero3.json"]
     common += ["--block-size", 32, "--batch-size", 2, "--save-steps", 2, "--lr", 3e-3, "--disable-tqdm", "true"]
@@ -287,26 +293,22 @@ def test_finetune_cli_lora_aux_only_and_zero2_match_one_process(tmp_path):
     DeepSpeed on the same micro-batches (2 rows, 2 accumulated per step). A batch of 4 in one is not the same run: the
     router balance loss of a micro-batch is not the mean of its halves' (its loss is; measured in docs/training.md).
     """
-    model_dir = tmp_path / "tiny-dualflow"
-    byte_model(aux_num_experts_per_tok=3).save_pretrained(model_dir)
-    ByT5Tokenizer().save_pretrained(model_dir)
-    (tmp_path / "corpus.txt").write_text(stdlib_text("textwrap.py", chars=6000))
+    model_dir, corpus = finetune_inputs(tmp_path)
     zero2_adamw = dict(
         ZERO_CONFIGS["zero2"], optimizer={"type": "AdamW", "params": dict.fromkeys(ADAMW_FIELDS, "auto")}
     )
     for name, config in {"zero3": ZERO_CONFIGS["zero3"], "zero2_adamw": zero2_adamw}.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(config))
-    common = [model_dir, "--data", tmp_path / "corpus.txt", "--block-size", 32, "--max-steps", 2, "--save-steps", 2]
+    common = [model_dir, "--data", corpus, "--block-size", 32, "--max-steps", 2, "--save-steps", 2]
     common += ["--lr", 3e-3, "--logging-steps", 1, "--eval-blocks", 0, "--disable-tqdm", "true"]
     runs = {"lora": ["--lora"], "aux": ["--aux-only"], "full": []}
     zero = {"lora": "zero3", "aux": "zero3", "full": "zero2_adamw"}
-    phases = [
-        {"argv": [*common, *flags, "--batch-size", 2, "--deepspeed", tmp_path / f"{zero[run]}.json"]}
+    launched_argv = {
+        run: [*common, *flags, "--batch-size", 2, "--deepspeed", tmp_path / f"{zero[run]}.json"]
         for run, flags in runs.items()
-    ]
+    }
     phases = [
-        dict(argv=[*map(str, phase["argv"]), "--output-dir", str(tmp_path / f"ds-{run}")])
-        for phase, run in zip(phases, runs)
+        {"argv": list(map(str, [*argv, "--output-dir", tmp_path / f"ds-{run}"]))} for run, argv in launched_argv.items()
     ]
     results, _ = finetune_phases(tmp_path, phases)
     assert [[phase["status"] for phase in result] for result in results] == [[0, 0, 0]] * 2
