@@ -21,6 +21,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # The engines run in this process: by default each engine starts an engine-core process and a worker process, each
 # importing vLLM and torch again (tens of seconds of CPU per engine). The vLLM server test runs the default.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# One OpenMP thread per engine, as for an engine alone on this 2-core machine: vLLM's binding gives an engine with a KV
+# connector every core when it has too few to keep one back, and two such engines (the NIXL producer and consumer)
+# then spin on the same two cores as the other CI jobs.
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 # `LLM.apply_model` runs a test module's function on the served model; in an engine process of its own, pickled.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 

@@ -8,7 +8,9 @@ proxy passes on to the consumer. The prompts' KV stays for the consumer to read 
     VLLM_NIXL_SIDE_CHANNEL_PORT=PORT python nixl_producer.py MODEL TOKENIZER
 """
 
+import faulthandler
 import json
+import signal
 import sys
 
 from vllm import LLM, SamplingParams
@@ -20,6 +22,7 @@ NIXL_PRODUCER = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
 
 
 def main(model: str, tokenizer: str) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the test asks for the stacks of a producer that does not answer
     llm = LLM(model=model, tokenizer=tokenizer, kv_transfer_config=NIXL_PRODUCER, **ENGINE_ARGS)
     remote_decode = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
     for line in sys.stdin:

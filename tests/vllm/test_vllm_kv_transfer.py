@@ -7,9 +7,13 @@ own (nixl_producer.py) as producer, a Dual-Flow engine reading the KV from its m
 import json
 import logging
 import os
+import queue
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -214,6 +218,11 @@ def test_a_refused_file_fails_only_its_request_when_other_requests_share_its_cac
     assert finished["2"] == (("error", []) if policy == "fail" else ("length", alone[2]))
 
 
+# How long the producer may take to start and prefill (about 30 s here, alone); past it the test fails with the
+# producer's Python stacks (faulthandler, on SIGUSR1) and its last output, instead of waiting for pytest's timeout.
+PRODUCER_ANSWER_S = 300
+
+
 @contextmanager
 def nixl_producer(model, tokenizer):
     """A vLLM engine on `model` as the NixlConnector's producer, in a process of its own (nixl_producer.py): a function
@@ -223,14 +232,34 @@ def nixl_producer(model, tokenizer):
     process = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
+    lines = queue.Queue()
+
+    def read_all():  # on a thread of its own, all along: the producer never waits on a full pipe
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read_all, daemon=True).start()
+    output = []
 
     def prefill(prompts: list[list[int]]) -> list[dict]:
         process.stdin.write(json.dumps(prompts) + "\n")
         process.stdin.flush()
-        for line in process.stdout:
+        deadline = time.monotonic() + PRODUCER_ANSWER_S
+        while True:
+            try:
+                line = lines.get(timeout=max(0, deadline - time.monotonic()))
+            except queue.Empty:
+                process.send_signal(signal.SIGUSR1)  # its stacks, to stderr (captured with the test's)
+                tail = "".join(output[-20:])
+                raise AssertionError(
+                    f"the NIXL producer did not answer in {PRODUCER_ANSWER_S} s; it wrote:\n{tail}"
+                ) from None
+            if line is None:
+                raise RuntimeError(f"the NIXL producer exited with {process.wait()}")
             if line.startswith(PARAMS_LINE):
                 return json.loads(line.removeprefix(PARAMS_LINE))
-        raise RuntimeError(f"the NIXL producer exited with {process.wait()}")
+            output.append(line)
 
     try:
         yield prefill
