@@ -195,6 +195,7 @@ class Recorder:
         self.top_k, self.aux_top_k = top_k, aux_top_k
         self.steps = []
         self.current = None
+        self.routing = True  # off while profiling: the routes' own router calls would count as the model's ops
 
     def install(self, model):
         import torch
@@ -212,7 +213,7 @@ class Recorder:
             self.steps.append(self.current)
 
         def route(module, args, kwargs):
-            if self.current is None or "t" not in self.current:
+            if not self.routing or self.current is None or "t" not in self.current:
                 return
             cpu, wall = time.thread_time(), time.perf_counter()
             hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -405,36 +406,46 @@ def measure(args):
             load.append(os.getloadavg())
             print(f"round {round_index + 1}/{args.rounds} done, load {load[-1][0]:.2f}", flush=True)
         if args.profile:
-            profile(args, engines, torch.randint(0, shape.vocab, (args.profile, args.prompt)).tolist())
+            profile(args, engines, recorders, torch.randint(0, shape.vocab, (args.profile, args.prompt)).tolist())
         for engine in engines.values():
             del engine
     if args.rounds:
         report(args, shape, calibration, results, load, threads)
 
 
-def profile(args, engines, prompts):
+def profile(args, engines, recorders, prompts):
     """
-    torch profiler, batch `--profile`, each arm: one run of --decode-tokens tokens and one of 1 token (the prefill);
-    their difference per op over the decode steps is a decode step's self CPU time per op.
+    torch profiler, batch `--profile`, each arm: the prompts are prefilled unprofiled (engine steps until every request
+    has its first token), then the decode steps alone are profiled; self CPU time per op per decode step.
     """
+    import itertools
+
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     from vllm import SamplingParams
 
-    def self_ms(arm, tokens):
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    request_ids = itertools.count()
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+
+    def self_ms(arm):
+        recorders[arm].routing = False
+        engine = engines[arm].llm_engine
+        for prompt in prompts:
+            engine.add_request(f"profile-{next(request_ids)}", {"prompt_token_ids": prompt}, params)
+        prefilled = set()
+        while len(prefilled) < len(prompts):
+            prefilled.update(output.request_id for output in engine.step() if output.outputs[0].token_ids)
+        steps = 0
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            engines[arm].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+        return {e.key: e.self_cpu_time_total / 1e3 / steps for e in prof.key_averages()}
 
     samples = {arm: [] for arm in ARMS}
     for repeat in range(args.profile_repeats):
         for arm in ARMS[repeat % len(ARMS) :] + ARMS[: repeat % len(ARMS)]:
-            whole, prefill = self_ms(arm, args.decode_tokens), self_ms(arm, 1)
-            steps = args.decode_tokens - 1
-            samples[arm].append(
-                {op: (whole.get(op, 0) - prefill.get(op, 0)) / steps for op in set(whole) | set(prefill)}
-            )
+            samples[arm].append(self_ms(arm))
     # per op, the median over the repeats (arms rotated every repeat)
     per_arm = {
         arm: {op: statistics.median(r.get(op, 0) for r in runs) for op in set().union(*runs)}
@@ -445,8 +456,8 @@ def profile(args, engines, prompts):
         print(f"profile {arm}: total per repeat " + ", ".join(f"{t:.2f}" for t in totals) + " ms")
     ops = sorted(set().union(*per_arm.values()), key=lambda op: -max(arm.get(op, 0) for arm in per_arm.values()))
     print(
-        f"\nprofile, batch {len(prompts)}: self CPU ms per decode step ((run of {args.decode_tokens} - run of 1) / "
-        f"{args.decode_tokens - 1}; the profiler's own overhead included)"
+        f"\nprofile, batch {len(prompts)}, {args.prompt}-token prompts: self CPU ms per decode step (the decode steps "
+        "of each run alone, prefill unprofiled; the profiler's own overhead included)"
     )
     print("| op | " + " | ".join(ARMS) + " |")
     print("| --- |" + " ---: |" * len(ARMS))
