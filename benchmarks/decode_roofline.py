@@ -20,6 +20,10 @@ touches + attention over the context (QK and PV) + the LM head on the rows that 
 arm). Roofline time = max(bytes / B, flops / F) and, beside it, the sum; B and F are calibrated in the same process,
 same thread count, same clock (`calibrate`).
 
+`--compiled`: each arm also on vLLM's default engine (compiled, not eager), run right after its eager twin on the same
+prompts and timed by the same hooks; its MoE blocks run inside the compiled graph, where the routing hooks never fire,
+so its rooflines are the eager twin's (greedy decoding on the same weights: the same tokens, the same routes).
+
 `--gpu-prediction` (and `gpu_prediction()`, which benchmarks/gpu_check.py prints as the number to meet): the same
 byte model for a Qwen3-30B-A3B shape in bf16 at an H100's 3.35 TB/s, distinct experts per layer taken as their
 expectation under uniform independent routing (a bound: real routing is skewed, so real steps touch fewer).
@@ -248,6 +252,8 @@ class Recorder:
     def take(self, batch: int) -> list[dict]:
         """The decode steps recorded since the last call (every row one request's next token), then forget them."""
         steps, self.steps = self.steps, []
+        if not self.routing:  # a compiled engine: its MoE blocks run inside the graph, the routing hooks never fire
+            return [s for s in steps if s["rows"] == batch]
         return [s for s in steps if s["rows"] == batch and s["routes"] and all(r[0] == batch for r in s["routes"])]
 
 
@@ -376,33 +382,56 @@ def measure(args):
             "dual k_a=2k_p": (paths["dualflow"], {"aux_num_experts_per_tok": 2 * shape.top_k}),
         }
         engines, recorders, threads = {}, {}, {}
+        compiled, compiled_recorders = {}, {}
         for arm, (path, override) in served.items():
             engines[arm] = LLM(model=str(path), hf_overrides=override, **engine_args)
             aux_top_k = 2 * shape.top_k if arm.endswith("2k_p") else shape.top_k
             recorders[arm] = Recorder(shape.top_k, aux_top_k)
             threads[arm] = engines[arm].apply_model(recorders[arm].install)[0]
+            if args.compiled:  # vLLM's default engine beside the eager one; its steps are timed, not routed
+                compiled[arm] = LLM(model=str(path), hf_overrides=override, **engine_args | {"enforce_eager": False})
+                compiled_recorders[arm] = Recorder(shape.top_k, aux_top_k)
+                compiled_recorders[arm].routing = False
+                compiled[arm].apply_model(compiled_recorders[arm].install)
         params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
         generator = torch.Generator().manual_seed(1)
 
-        def run(arm, prompts):
-            engines[arm].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        def run(engine, prompts) -> list[list[int]]:
+            outputs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return [list(output.outputs[0].token_ids) for output in outputs]
 
         for arm in ARMS:  # warm-up
-            run(arm, torch.randint(0, shape.vocab, (1, 16), generator=generator).tolist())
-            recorders[arm].take(1)
+            warm_up = torch.randint(0, shape.vocab, (1, 16), generator=generator).tolist()
+            for engine, recorder in ((engines, recorders), (compiled, compiled_recorders))[: 1 + bool(compiled)]:
+                run(engine[arm], warm_up)
+                recorder[arm].take(1)
         calibration = calibrate(shape)
         # per (batch, arm): per round, the medians over its decode steps
         results = {(b, arm): [] for b in args.batches for arm in ARMS}
+        compiled_results = {(b, arm): [] for b in args.batches for arm in compiled}
         for round_index in range(args.rounds):
             for batch in args.batches:
                 prompts = torch.randint(0, shape.vocab, (batch, args.prompt), generator=generator).tolist()
                 for arm in ARMS[round_index % len(ARMS) :] + ARMS[: round_index % len(ARMS)]:
-                    run(arm, prompts)
+                    tokens = run(engines[arm], prompts)
                     steps = recorders[arm].take(batch)
                     per_step = [step_roofline(shape, s, args.prompt, i, arm, calibration) for i, s in enumerate(steps)]
                     results[batch, arm].append(
                         {key: statistics.median(s[key] for s in per_step) for key in per_step[0]}
                     )
+                    if arm in compiled:  # the same prompts: greedy, so the eager twin's routes and rooflines
+                        same = sum(a == b for a, b in zip(tokens, run(compiled[arm], prompts)))
+                        times = compiled_recorders[arm].take(batch)
+                        assert len(times) == len(per_step), f"{arm}: {len(times)} compiled steps, {len(per_step)} eager"
+                        compiled_results[batch, arm].append(
+                            {
+                                "cpu": statistics.median(t["cpu"] for t in times),
+                                "wall": statistics.median(t["wall"] for t in times),
+                                "max": results[batch, arm][-1]["max"],
+                                "sum": results[batch, arm][-1]["sum"],
+                                "same_tokens": same / batch,
+                            }
+                        )
             load.append(os.getloadavg())
             print(f"round {round_index + 1}/{args.rounds} done, load {load[-1][0]:.2f}", flush=True)
         if args.profile:
@@ -411,6 +440,8 @@ def measure(args):
             del engine
     if args.rounds:
         report(args, shape, calibration, results, load, threads)
+        if compiled:
+            report_compiled(args, results, compiled_results)
 
 
 def profile(args, engines, recorders, prompts):
@@ -466,6 +497,22 @@ def profile(args, engines, recorders, prompts):
     print("| total | " + " | ".join(f"{sum(per_arm[arm].values()):.3f}" for arm in ARMS) + " |")
 
 
+def print_aux_ratios(batches: list[int], results: dict) -> None:
+    """Aux on / off per batch and arm: predicted by each roofline and measured, paired per round."""
+    print("| batch | arm | predicted (max) | predicted (sum) | measured | measured / predicted (max) |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for batch in batches:
+        off = results[batch, "dual aux off"]
+        for arm in ("dual k_a=k_p", "dual k_a=2k_p"):
+            on = results[batch, arm]
+            pred_max = [a["max"] / b["max"] for a, b in zip(off, on)]
+            pred_sum = [a["sum"] / b["sum"] for a, b in zip(off, on)]
+            measured = [a["cpu"] / b["cpu"] for a, b in zip(off, on)]
+            gap = [m / p for m, p in zip(measured, pred_max)]
+            cells = [median_se(x) for x in (pred_max, pred_sum, measured, gap)]
+            print(f"| {batch} | {arm} | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in cells) + " |")
+
+
 def report(args, shape, calibration, results, load, threads):
     print(
         f"\nmodel: Qwen3-MoE hidden {shape.hidden}, {shape.layers} layers, {shape.experts} experts of "
@@ -501,22 +548,39 @@ def report(args, shape, calibration, results, load, threads):
             f"{over_sum:.3f} ± {over_sum_se:.3f} |"
         )
     print("\nAux on / off (tokens/s ratio = step time off / on; per round, paired, median ± SE)")
-    print("| batch | arm | predicted (max) | predicted (sum) | measured | measured / predicted (max) |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
-    for batch in args.batches:
-        off = results[batch, "dual aux off"]
-        for arm in ("dual k_a=k_p", "dual k_a=2k_p"):
-            on = results[batch, arm]
-            pred_max = [a["max"] / b["max"] for a, b in zip(off, on)]
-            pred_sum = [a["sum"] / b["sum"] for a, b in zip(off, on)]
-            measured = [a["cpu"] / b["cpu"] for a, b in zip(off, on)]
-            gap = [m / p for m, p in zip(measured, pred_max)]
-            cells = [median_se(x) for x in (pred_max, pred_sum, measured, gap)]
-            print(f"| {batch} | {arm} | " + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in cells) + " |")
+    print_aux_ratios(args.batches, results)
     native = [results[b, "native Qwen3-MoE"] for b in args.batches]
     for name in ("max", "sum"):
         ratios = [statistics.median(r["cpu"] / r[name] for r in rounds) for rounds in native]
         print(f"native measured / roofline ({name}) by batch {args.batches}: " + ", ".join(f"{x:.3f}" for x in ratios))
+
+
+def report_compiled(args, eager, compiled):
+    print(
+        "\nvLLM's default (compiled) engine, each arm beside its eager twin on the same prompts; rooflines from the eager "
+        "twin's routes (greedy decoding: the same tokens)"
+    )
+    print(
+        "| batch | arm | requests with the eager twin's tokens | compiled ms (CPU) | wall ms | compiled / eager "
+        "| measured / max | measured / sum |"
+    )
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (batch, arm), rounds in compiled.items():
+        cpu, cpu_se = median_se([r["cpu"] * 1e3 for r in rounds])
+        cells = [
+            median_se([c["cpu"] / e["cpu"] for c, e in zip(rounds, eager[batch, arm])]),
+            median_se([r["cpu"] / r["max"] for r in rounds]),
+            median_se([r["cpu"] / r["sum"] for r in rounds]),
+        ]
+        same = statistics.mean(r["same_tokens"] for r in rounds)
+        wall = statistics.median(r["wall"] for r in rounds) * 1e3
+        print(
+            f"| {batch} | {arm} | {same:.0%} | {cpu:.2f} ± {cpu_se:.2f} | {wall:.2f} | "
+            + " | ".join(f"{m:.3f} ± {s:.3f}" for m, s in cells)
+            + " |"
+        )
+    print("\nAux on / off, compiled (step time off / on; per round, paired, median ± SE)")
+    print_aux_ratios(args.batches, compiled)
 
 
 def main():
@@ -526,6 +590,11 @@ def main():
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--gpu-prediction", action="store_true", help="print the H100 prediction only (no vLLM)")
+    parser.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time each arm on vLLM's default compiled engine (twice the engines)",
+    )
     parser.add_argument("--profile", type=int, metavar="BATCH", help="also profile decode runs per arm (torch)")
     parser.add_argument("--profile-repeats", type=int, default=3, help="profiled runs per arm, rotated")
     args = parser.parse_args()
