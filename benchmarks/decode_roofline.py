@@ -402,9 +402,10 @@ def measure(args):
 
         for arm in ARMS:  # warm-up
             warm_up = torch.randint(0, shape.vocab, (1, 16), generator=generator).tolist()
-            for engine, recorder in ((engines, recorders), (compiled, compiled_recorders))[: 1 + bool(compiled)]:
-                run(engine[arm], warm_up)
-                recorder[arm].take(1)
+            for engine, recorder in ((engines, recorders), (compiled, compiled_recorders)):
+                if arm in engine:
+                    run(engine[arm], warm_up)
+                    recorder[arm].take(1)
         calibration = calibrate(shape)
         # per (batch, arm): per round, the medians over its decode steps
         results = {(b, arm): [] for b in args.batches for arm in ARMS}
@@ -457,9 +458,10 @@ def profile(args, engines, recorders, prompts):
 
     request_ids = itertools.count()
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    for recorder in recorders.values():
+        recorder.routing = False
 
     def self_ms(arm):
-        recorders[arm].routing = False
         engine = engines[arm].llm_engine
         for prompt in prompts:
             engine.add_request(f"profile-{next(request_ids)}", {"prompt_token_ids": prompt}, params)
